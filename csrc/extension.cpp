@@ -1,0 +1,50 @@
+// Op registry of megatron_mok's extension: schemas and the CPU kernels.
+// CUDA kernels live one folder per concern (combine/, ...) and register
+// their implementations with TORCH_LIBRARY_IMPL(megatron_mok, CUDA, ...).
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "combine/combine_epilogue.h"
+
+namespace megatron_mok {
+
+// y[t] = shared[t] + sum_k w[t,k] * slots[t,k] in fp32, k ascending, rounded once.
+// Routes with topk_idx < 0 contribute nothing.
+at::Tensor combine_epilogue_cpu(const at::Tensor& slots, const at::Tensor& topk_idx,
+                                const at::Tensor& topk_w, const std::optional<at::Tensor>& shared) {
+  check_combine_epilogue_args(slots, topk_idx, topk_w, shared, at::kCPU);
+  const int64_t T = slots.size(0), K = slots.size(1), H = slots.size(2);
+  auto slots_f = slots.to(at::kFloat);
+  auto idx = topk_idx.to(at::kLong);
+  auto shared_f = shared.has_value() ? shared->to(at::kFloat) : at::Tensor();
+  auto acc = at::empty({T, H}, slots.options().dtype(at::kFloat));
+  const float* s = slots_f.data_ptr<float>();
+  const float* w = topk_w.data_ptr<float>();
+  const int64_t* id = idx.data_ptr<int64_t>();
+  const float* sh = shared_f.defined() ? shared_f.data_ptr<float>() : nullptr;
+  float* out = acc.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        float a = sh ? sh[t * H + h] : 0.f;
+        for (int64_t k = 0; k < K; ++k) {
+          const float wk = id[t * K + k] >= 0 ? w[t * K + k] : 0.f;
+          a += wk * s[(t * K + k) * H + h];
+        }
+        out[t * H + h] = a;
+      }
+    }
+  });
+  return acc.to(slots.scalar_type());
+}
+
+TORCH_LIBRARY(megatron_mok, m) {
+  m.def("combine_epilogue(Tensor slots, Tensor topk_idx, Tensor topk_w, Tensor? shared) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {
+  m.impl("combine_epilogue", &combine_epilogue_cpu);
+}
+
+}  // namespace megatron_mok

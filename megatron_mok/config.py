@@ -1,0 +1,83 @@
+"""MoKConfig: the knobs of one fused MoE pass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKENDS = ("auto", "reference", "kernel")
+
+# Row-table padding unit: the GEMM tile height of the Hopper kernels (one
+# 128-row WGMMA tile per expert segment start).
+TILE_M = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class MoKConfig:
+    """Tuning knobs of the fused MoE layer.
+
+    fwd_num_comm_sms / bwd_num_comm_sms: SMs that run the communication CTAs
+        (pull dispatch, push combine) in the forward / backward megakernel.
+    minibatch_size: rows per readiness counter, the unit of comm/compute overlap.
+    macrobatch_size: rows of the routed-activation ring buffer; a multiple of the
+        minibatch. A ring at least as large as the routed rows is used once.
+    schedule_capacity_multiplier: worst-case fraction of all EP tokens x top-k that
+        may land on one rank; sizes the static row table (overflow is an error).
+    backend: "auto" (kernel where the GPU supports it, reference otherwise),
+        "reference" (pure PyTorch spec) or "kernel" (the compiled Hopper backend).
+    debug_checks: validate routing values eagerly (host sync) even on the kernel
+        backend, instead of only through the device-side error flag.
+    """
+
+    fwd_num_comm_sms: int = 24
+    bwd_num_comm_sms: int = 20
+    minibatch_size: int = 4096
+    macrobatch_size: int = 131072
+    schedule_capacity_multiplier: float = 0.5
+    backend: str = "auto"
+    debug_checks: bool = False
+
+    def __post_init__(self):
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MoKConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.minibatch_size, int) or self.minibatch_size < TILE_M or \
+                self.minibatch_size % TILE_M:
+            raise ValueError(
+                f"MoKConfig.minibatch_size must be a positive multiple of {TILE_M} "
+                f"(the GEMM tile height), got {self.minibatch_size!r}")
+        if not isinstance(self.macrobatch_size, int) or self.macrobatch_size < self.minibatch_size \
+                or self.macrobatch_size % self.minibatch_size:
+            raise ValueError(
+                f"MoKConfig.macrobatch_size must be a positive multiple of minibatch_size "
+                f"({self.minibatch_size}), got {self.macrobatch_size!r}")
+        m = self.schedule_capacity_multiplier
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m:
+            raise ValueError(
+                f"MoKConfig.schedule_capacity_multiplier must be a positive number, got {m!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MoKConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def check_num_sms(self, num_sms: int) -> None:
+        """Comm CTAs must leave at least one compute SM on the device that runs the pass."""
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            if getattr(self, name) >= num_sms:
+                raise ValueError(
+                    f"MoKConfig.{name}={getattr(self, name)} leaves no compute SM on a GPU "
+                    f"with {num_sms} SMs")
+
+
+def schedule_capacity(config: MoKConfig, num_tokens: int, topk: int, ep_size: int,
+                      num_local_experts: int) -> int:
+    """Rows of the static row table on one rank.
+
+    The worst case a rank can see is ep_size * T * K routes (every route of every
+    rank); the multiplier bounds the expected fraction. Each local expert may add up
+    to TILE_M - 1 rows of padding.
+    """
+    routes = num_tokens * topk
+    fraction = max(2.0, ep_size * config.schedule_capacity_multiplier)
+    rows = min(int(routes * fraction), ep_size * routes)
+    rows = max(rows, routes)
+    padded = rows + num_local_experts * (TILE_M - 1)
+    return -(-padded // TILE_M) * TILE_M

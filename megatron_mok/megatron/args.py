@@ -1,0 +1,66 @@
+"""Command-line surface: `--moe-token-dispatcher-type mok` and the `--mok-*` knobs.
+
+Megatron-LM builds the choices of `--moe-token-dispatcher-type` from the Literal
+type of `TransformerConfig.moe_token_dispatcher_type`, so registering "mok" means
+widening that Literal before the parser is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from megatron_mok.config import BACKENDS, MoKConfig
+
+DISPATCHER_TYPE = "mok"
+
+
+def register_mok_dispatcher_type() -> None:
+    """Add "mok" to the choices of TransformerConfig.moe_token_dispatcher_type (idempotent)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = {f.name: f for f in dataclasses.fields(TransformerConfig)}["moe_token_dispatcher_type"]
+    choices = typing.get_args(field.type)
+    if DISPATCHER_TYPE in choices:
+        return
+    widened = typing.Literal[tuple(choices) + (DISPATCHER_TYPE,)]
+    field.type = widened
+    TransformerConfig.__annotations__["moe_token_dispatcher_type"] = widened
+
+
+def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron `extra_args_provider`: the MoKConfig knobs as `--mok-*` flags."""
+    defaults = MoKConfig()
+    group = parser.add_argument_group(title="megatron_mok")
+    group.add_argument("--mok-backend", choices=BACKENDS, default=defaults.backend,
+                       help="Backend of the fused MoE pass: auto picks the kernel where the "
+                            "GPU supports it, else the PyTorch reference.")
+    group.add_argument("--mok-fwd-comm-sms", type=int, default=defaults.fwd_num_comm_sms,
+                       help="SMs running communication CTAs in the forward megakernel.")
+    group.add_argument("--mok-bwd-comm-sms", type=int, default=defaults.bwd_num_comm_sms,
+                       help="SMs running communication CTAs in the backward megakernel.")
+    group.add_argument("--mok-minibatch-size", type=int, default=defaults.minibatch_size,
+                       help="Rows per readiness counter (comm/compute overlap granularity).")
+    group.add_argument("--mok-macrobatch-size", type=int, default=defaults.macrobatch_size,
+                       help="Rows of the routed-activation ring buffer.")
+    group.add_argument("--mok-capacity-multiplier", type=float,
+                       default=defaults.schedule_capacity_multiplier,
+                       help="Worst-case fraction of all EP routes landing on one rank "
+                            "(sizes the row table; overflow raises).")
+    group.add_argument("--mok-debug-checks", action="store_true",
+                       help="Validate routing eagerly (host sync) on the kernel backend.")
+    return parser
+
+
+def mok_config_from_args(args: argparse.Namespace) -> MoKConfig:
+    """MoKConfig from parsed `--mok-*` flags (ValueError names the bad knob)."""
+    return MoKConfig(
+        fwd_num_comm_sms=args.mok_fwd_comm_sms,
+        bwd_num_comm_sms=args.mok_bwd_comm_sms,
+        minibatch_size=args.mok_minibatch_size,
+        macrobatch_size=args.mok_macrobatch_size,
+        schedule_capacity_multiplier=args.mok_capacity_multiplier,
+        backend=args.mok_backend,
+        debug_checks=args.mok_debug_checks,
+    )

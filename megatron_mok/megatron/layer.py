@@ -1,0 +1,98 @@
+"""MokMoELayer: Megatron's MoELayer with dispatch -> experts -> combine as one fused pass.
+
+Router, aux losses, shared experts and recompute are MoELayer's own. The experts
+module is the one Megatron's spec builds (SequentialMLP or TEGroupedMLP), kept for
+its parameters only, so checkpoints move between `alltoall`/`flex` and `mok` both
+ways. Every configuration the fused pass does not implement fails here, naming
+the flag; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+from megatron_mok.config import MoKConfig
+from megatron_mok.functional import fused_moe
+from megatron_mok.megatron.dispatcher import MokTokenDispatcher
+
+# (config attribute, unsupported when, Megatron flag to change)
+_UNSUPPORTED = (
+    ("expert_tensor_parallel_size", lambda v: (v or 1) > 1,
+     "--expert-tensor-parallel-size (expert TP > 1; pass --expert-tensor-parallel-size 1)"),
+    ("moe_latent_size", bool, "--moe-latent-size (latent MoE)"),
+    ("add_bias_linear", bool, "--add-bias-linear (expert biases; use --disable-bias-linear)"),
+    ("gated_linear_unit", lambda v: not v, "--swiglu (the experts must be SwiGLU)"),
+    ("activation_func_clamp_value", lambda v: v is not None,
+     "--activation-func-clamp-value (clamped SwiGLU)"),
+    ("glu_linear_offset", bool, "--glu-linear-offset"),
+    ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input"),
+    ("moe_pad_expert_input_to_capacity", bool, "--moe-pad-expert-input-to-capacity"),
+    ("moe_shared_expert_overlap", bool, "--moe-shared-expert-overlap"),
+    ("overlap_moe_expert_parallel_comm", bool, "--overlap-moe-expert-parallel-comm"),
+    ("overlap_dispatch_backward_with_experts_wgrad", bool,
+     "--overlap-dispatch-backward-with-experts-wgrad"),
+    ("delay_wgrad_compute", bool, "--delay-wgrad-compute"),
+    ("fp8", bool, "--fp8-format (FP8/MXFP8 training is not in this version of mok; BF16 only)"),
+    ("fp4", bool, "--fp4-format"),
+)
+
+
+def check_mok_supported(config) -> None:
+    """Raise ValueError naming the first flag the fused pass does not support."""
+    for attr, unsupported, flag in _UNSUPPORTED:
+        if unsupported(getattr(config, attr, None)):
+            raise ValueError(f"--moe-token-dispatcher-type mok does not support {flag}")
+    if config.activation_func is not F.silu:
+        raise ValueError("--moe-token-dispatcher-type mok needs SwiGLU experts (--swiglu); got "
+                         f"activation {getattr(config.activation_func, '__name__', '?')}")
+
+
+def expert_weight_list(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-expert fc1 [2I, H] and fc2 [H, I] weights of Megatron's expert modules."""
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        return ([e.linear_fc1.weight for e in experts.local_experts],
+                [e.linear_fc2.weight for e in experts.local_experts])
+    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
+    n = getattr(experts, "num_local_experts", 0)
+    if fc1 is not None and all(hasattr(fc1, f"weight{i}") for i in range(n)):  # TEGroupedMLP
+        return ([getattr(fc1, f"weight{i}") for i in range(n)],
+                [getattr(fc2, f"weight{i}") for i in range(n)])
+    raise ValueError(f"--moe-token-dispatcher-type mok cannot read the weights of expert module "
+                     f"{type(experts).__name__}")
+
+
+class MokMoELayer(MoELayer):
+    """MoELayer whose routed experts run as one fused dispatch + SwiGLU + combine pass."""
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
+                 pg_collection=None, is_mtp_layer: bool = False, name: Optional[str] = None,
+                 mok_config: Optional[MoKConfig] = None):
+        check_mok_supported(config)
+        pg_collection = pg_collection or get_default_pg_collection()
+        # MoELayer only builds the stock dispatchers; build a cheap one, then swap in ours.
+        dispatcher_type = config.moe_token_dispatcher_type
+        config.moe_token_dispatcher_type = "allgather"
+        try:
+            super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                             pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
+        finally:
+            config.moe_token_dispatcher_type = dispatcher_type
+        self.mok_config = mok_config or MoKConfig()
+        self.token_dispatcher = MokTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=config,
+            pg_collection=pg_collection)
+        expert_weight_list(self.experts)  # fail at construction on an unknown expert module
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
+        fc1, fc2 = expert_weight_list(self.experts)
+        output = fused_moe(
+            hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
+            torch.stack(fc1), torch.stack(fc2), group=self.ep_group, config=self.mok_config)
+        return output, None

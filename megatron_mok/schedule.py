@@ -1,0 +1,96 @@
+"""Routing -> row table (DESIGN.md section 4, step 3), with tensor ops only: no host sync.
+
+Every rank sees all peers' routing [P, T, K]. The routes that land on this rank's
+local experts are laid out expert by expert, each expert's segment padded to the
+GEMM tile height (TILE_M) so a tile never spans two experts:
+
+    row j of the table -> (source rank, token, k), or -1 for padding / unused rows
+
+Inside a segment rows keep (source rank, token, k) order, and placement uses
+prefix sums only, so the table is deterministic. The table has a static capacity
+(launch shapes never depend on the counts, so the pass is CUDA-graph capturable);
+`overflow` is a device flag, set when the padded rows exceed it.
+
+This module is the executable form of the schedule; the kernel backend's GPU
+schedule op must produce the same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_mok.config import TILE_M
+
+
+@dataclasses.dataclass
+class MoKSchedule:
+    """Row table of one rank for one routing (reused by forward, backward and recompute)."""
+
+    peer_rank: torch.Tensor         # [capacity] int32, source rank of row j (-1: padding)
+    peer_token: torch.Tensor        # [capacity] int32, token index on that rank (-1: padding)
+    peer_k: torch.Tensor            # [capacity] int32, route slot k of that token (-1: padding)
+    tokens_per_expert: torch.Tensor  # [E_loc] int32, routed rows per local expert (unpadded)
+    expert_offsets: torch.Tensor    # [E_loc + 1] int32, padded segment starts; last = num_rows
+    num_rows: torch.Tensor          # [1] int32, padded rows in use
+    overflow: torch.Tensor          # [1] int32, 1 when the routing did not fit the capacity
+    topk_idx_all: torch.Tensor      # [P, T, K] routing of every EP rank (global expert ids)
+
+    @property
+    def capacity(self) -> int:
+        return self.peer_rank.numel()
+
+    def raise_if_overflow(self) -> None:
+        """Turn the device overflow flag into an exception (a sync point the caller chooses)."""
+        if int(self.overflow.item()):
+            raise RuntimeError(
+                f"megatron_mok: routing needs {int(self.num_rows.item())} padded rows on this rank "
+                f"but the row table holds {self.capacity}; raise "
+                f"MoKConfig.schedule_capacity_multiplier (--mok-capacity-multiplier)")
+
+
+def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts: int,
+                    capacity: int) -> MoKSchedule:
+    """Row table of rank `ep_rank` from the routing of all ranks, topk_idx_all [P, T, K]."""
+    ep_size, num_tokens, topk = topk_idx_all.shape
+    device = topk_idx_all.device
+    flat = topk_idx_all.reshape(-1).long()
+    num_routes = flat.numel()
+    local = flat - ep_rank * num_local_experts
+    is_local = (flat >= 0) & (local >= 0) & (local < num_local_experts)
+    # Non-local routes go to a dummy bin E_loc that sorts last.
+    bins = torch.where(is_local, local, torch.full_like(local, num_local_experts))
+
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, bins, torch.ones_like(bins))
+    counts = counts[:num_local_experts]
+    padded = (counts + TILE_M - 1) // TILE_M * TILE_M
+    offsets = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    unpadded_starts = torch.cumsum(counts, 0) - counts
+
+    # Stable order by (expert, route id): position of each route inside its expert.
+    order = torch.argsort(bins * num_routes + torch.arange(num_routes, device=device))
+    sorted_bins = bins[order]
+    is_local_sorted = sorted_bins < num_local_experts
+    safe_bins = torch.where(is_local_sorted, sorted_bins, torch.zeros_like(sorted_bins))
+    rank_in_expert = torch.arange(num_routes, device=device) - unpadded_starts[safe_bins]
+    row = offsets[safe_bins] + rank_in_expert
+    keep = is_local_sorted & (row < capacity)
+    # Rows that are not kept are written to a scratch slot past the end, then dropped.
+    row = torch.where(keep, row, torch.full_like(row, capacity))
+
+    route_src = torch.full((capacity + 1,), -1, dtype=torch.long, device=device)
+    route_src.scatter_(0, row, torch.where(keep, order, torch.full_like(order, -1)))
+    route_src = route_src[:capacity]
+    valid = route_src >= 0
+    peer_rank = torch.where(valid, route_src // (num_tokens * topk), -1)
+    peer_token = torch.where(valid, route_src // topk % num_tokens, -1)
+    peer_k = torch.where(valid, route_src % topk, -1)
+    num_rows = offsets[-1:]
+    return MoKSchedule(
+        peer_rank=peer_rank.int(), peer_token=peer_token.int(), peer_k=peer_k.int(),
+        tokens_per_expert=counts.int(), expert_offsets=offsets.int(),
+        num_rows=num_rows.int(), overflow=(num_rows > capacity).int(),
+        topk_idx_all=topk_idx_all)

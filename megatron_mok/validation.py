@@ -1,0 +1,96 @@
+"""Input checks of the fused MoE pass: clear Python errors before any kernel launch.
+
+Shape, dtype, device and layout checks read only metadata. Routing *values*
+(expert ids in [-1, E)) need the data: they are checked eagerly when the routing
+lives on the CPU or when asked (`check_values`); on the GPU kernel backend the
+schedule raises a device-side error flag instead, so the pass stays sync-free.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes, device: Optional[torch.device] = None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; all inputs must share "
+                         f"one device")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides "
+                         f"{t.stride()} for shape {tuple(t.shape)}")
+
+
+def check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1=None, shared_w2=None, *,
+                     ep_size: int = 1, check_values: bool = True) -> None:
+    """Validate the arguments of one fused MoE pass (see reference.moe_reference)."""
+    _check_tensor("x", x, 2, FLOAT_DTYPES)
+    device = x.device
+    num_tokens, hidden = x.shape
+    _check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES, device)
+    _check_tensor("topk_w", topk_w, 2, (torch.float32,), device)
+    if topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {num_tokens} tokens")
+    if topk_w.shape != topk_idx.shape:
+        raise ValueError(f"topk_w shape {tuple(topk_w.shape)} must equal topk_idx shape "
+                         f"{tuple(topk_idx.shape)}")
+    if topk_idx.shape[1] < 1:
+        raise ValueError("topk_idx must have at least one route per token (K >= 1)")
+    _check_tensor("w1", w1, 3, (x.dtype,), device)
+    _check_tensor("w2", w2, 3, (x.dtype,), device)
+    num_local_experts, two_i, w1_hidden = w1.shape
+    if w1_hidden != hidden or two_i % 2:
+        raise ValueError(f"w1 must be [E_loc, 2I, H={hidden}] ([gate; up] stacked), got "
+                         f"{tuple(w1.shape)}")
+    if tuple(w2.shape) != (num_local_experts, hidden, two_i // 2):
+        raise ValueError(f"w2 must be [E_loc={num_local_experts}, H={hidden}, I={two_i // 2}], "
+                         f"got {tuple(w2.shape)}")
+    if (shared_w1 is None) != (shared_w2 is None):
+        raise ValueError("shared_w1 and shared_w2 must be given together")
+    if shared_w1 is not None:
+        _check_tensor("shared_w1", shared_w1, 2, (x.dtype,), device)
+        _check_tensor("shared_w2", shared_w2, 2, (x.dtype,), device)
+        if shared_w1.shape[1] != hidden or shared_w1.shape[0] % 2:
+            raise ValueError(f"shared_w1 must be [2Is, H={hidden}], got {tuple(shared_w1.shape)}")
+        if tuple(shared_w2.shape) != (hidden, shared_w1.shape[0] // 2):
+            raise ValueError(f"shared_w2 must be [H={hidden}, Is={shared_w1.shape[0] // 2}], got "
+                             f"{tuple(shared_w2.shape)}")
+    if check_values:
+        check_expert_ids(topk_idx, num_local_experts * ep_size)
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Every id must be in [-1, num_experts). Reads the data (a host sync on GPU)."""
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = int(topk_idx.min()), int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}] but must be in "
+                         f"[-1, {num_experts}) (-1 = no route)")
+
+
+def check_same_shape_across_ranks(group, **dims: int) -> None:
+    """Every EP rank must call the pass with identical T, H, K (one collective)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    local = torch.tensor(list(dims.values()), dtype=torch.int64)
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        local = local.cuda()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    table = torch.stack(parts).cpu()
+    if not bool((table == table[0]).all()):
+        per_rank = {name: table[:, i].tolist() for i, name in enumerate(dims)}
+        raise ValueError(f"every EP rank must use the same shapes; per rank got {per_rank}")
