@@ -2,6 +2,8 @@
 // CUDA kernels live one folder per concern (combine/, ...) and register
 // their implementations with TORCH_LIBRARY_IMPL(megatron_mok, CUDA, ...).
 
+#include <Python.h>
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -48,3 +50,10 @@ TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {
 }
 
 }  // namespace megatron_mok
+
+// `import megatron_mok._C` runs the static TORCH_LIBRARY registrations above; the
+// module itself exports nothing (ops are reached through torch.ops.megatron_mok).
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,15 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,74 @@
+"""EP > 1 over torch.distributed (gloo): each rank's output and gradients equal the
+single-process pass over all ranks' tokens with all experts."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from megatron_mok import functional as mok
+from megatron_mok import reference
+from moe_inputs import make_moe_inputs, rel_l2
+
+T, H, I, E_LOC, K = 40, 32, 16, 3, 3
+
+
+def _global_inputs(ep_size, shared):
+    """All ranks' tokens and all experts: rank r owns tokens [rT, (r+1)T) and experts
+    [r E_loc, (r+1) E_loc)."""
+    return make_moe_inputs(num_tokens=T * ep_size, hidden=H, inter=I,
+                           num_local_experts=E_LOC * ep_size, topk=K, seed=21,
+                           shared_inter=shared, drop_fraction=0.1)
+
+
+def _rank_fn(rank, ep_size, shared, out_dir):
+    g = _global_inputs(ep_size, shared)
+    tokens = slice(rank * T, (rank + 1) * T)
+    experts = slice(rank * E_LOC, (rank + 1) * E_LOC)
+    local = {"x": g["x"][tokens], "topk_idx": g["topk_idx"][tokens],
+             "topk_w": g["topk_w"][tokens], "w1": g["w1"][experts], "w2": g["w2"][experts]}
+    if shared:
+        local.update(shared_w1=g["shared_w1"], shared_w2=g["shared_w2"])
+    leaves = {k: v.clone().contiguous().requires_grad_() if v.is_floating_point()
+              else v.contiguous() for k, v in local.items()}
+    y = mok.fused_moe(**leaves, group=dist.group.WORLD)
+    dy = torch.randn(T * ep_size, H, generator=torch.Generator().manual_seed(22))[tokens]
+    y.backward(dy.bfloat16())
+    torch.save({"y": y.detach(), **{k: v.grad for k, v in leaves.items() if v.requires_grad}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size, shared", [(2, None), (2, 8), (3, None)])
+def test_ep_matches_single_process(tmp_path, ep_size, shared):
+    run_distributed(_rank_fn, ep_size, shared, str(tmp_path))
+    g = _global_inputs(ep_size, shared)
+    leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in g.items()}
+    y = reference.moe_reference(**leaves)
+    y.backward(torch.randn(T * ep_size, H, generator=torch.Generator().manual_seed(22)).bfloat16())
+    for rank in range(ep_size):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        tokens = slice(rank * T, (rank + 1) * T)
+        experts = slice(rank * E_LOC, (rank + 1) * E_LOC)
+        # Same arithmetic per route; only the batch a matmul row sits in differs.
+        assert rel_l2(got["y"], y[tokens]) < 1e-3
+        assert rel_l2(got["x"], leaves["x"].grad[tokens]) < 1e-5
+        assert rel_l2(got["topk_w"], leaves["topk_w"].grad[tokens]) < 1e-5
+        assert rel_l2(got["w1"], leaves["w1"].grad[experts]) < 1e-2
+        assert rel_l2(got["w2"], leaves["w2"].grad[experts]) < 1e-2
+        if shared:
+            # Each rank holds the gradient of its own tokens (DP-style partial sums).
+            assert got["shared_w1"].shape == leaves["shared_w1"].shape
+
+
+def _mismatch_fn(rank, ep_size):
+    inputs = make_moe_inputs(num_tokens=16 + 8 * rank, num_local_experts=2, ep_size=ep_size)
+    with pytest.raises(ValueError, match="same shapes"):
+        mok.fused_moe(**inputs, group=dist.group.WORLD)
+
+
+@pytest.mark.slow
+def test_different_token_counts_across_ranks_raise():
+    run_distributed(_mismatch_fn, 2)

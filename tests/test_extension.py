@@ -1,0 +1,62 @@
+"""The compiled extension: built whenever nvcc is present, its CPU kernel against the spec."""
+
+import shutil
+
+import pytest
+import torch
+
+from megatron_mok import ops, reference
+
+
+def test_extension_built_when_nvcc_present():
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc: the package was installed without the extension")
+    assert ops.extension_available(), ops.EXTENSION_ERROR
+
+
+def _inputs(dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randn(37, 5, 64, generator=g).to(dtype)
+    idx = torch.randint(-1, 9, (37, 5), generator=g, dtype=torch.int32)
+    w = torch.rand(37, 5, generator=g)
+    shared = torch.randn(37, 64, generator=g).to(dtype)
+    return [t.to(device) for t in (slots, idx, w, shared)]
+
+
+@pytest.mark.skipif(not ops.extension_available(), reason="extension not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_combine_epilogue_cpu_equals_spec(dtype, with_shared):
+    slots, idx, w, shared = _inputs(dtype)
+    shared = shared if with_shared else None
+    got = ops.combine_epilogue(slots, idx, w, shared)
+    expected = reference.combine(slots.float(), idx, w, None if shared is None else shared.float(),
+                                 dtype)
+    assert got.dtype == dtype and torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not ops.extension_available(), reason="extension not built")
+def test_combine_epilogue_rejects_bad_input():
+    slots, idx, w, shared = _inputs(torch.bfloat16)
+    with pytest.raises(TypeError, match="topk_w must be fp32"):
+        ops.combine_epilogue(slots, idx, w.double(), shared)
+    with pytest.raises(ValueError, match=r"topk_idx and topk_w must be \[T, K\]"):
+        ops.combine_epilogue(slots, idx[:, :4], w, shared)
+
+
+@pytest.mark.skipif(not ops.extension_available(), reason="extension not built")
+def test_combine_epilogue_fake_impl_gives_shapes():
+    slots, idx, w, shared = _inputs(torch.bfloat16, device="meta")
+    out = ops.combine_epilogue(slots, idx, w, shared)
+    assert out.shape == (37, 64) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_epilogue_cuda(dtype):
+    slots, idx, w, shared = _inputs(dtype, device="cuda")
+    got = ops.combine_epilogue(slots, idx, w, shared)
+    expected = reference.combine(slots.float(), idx, w, shared.float(), dtype)
+    # The GPU kernel fuses multiply-add (one rounding less than the spec's mul, add).
+    assert (got.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
+    assert torch.equal(got, ops.combine_epilogue(slots, idx, w, shared))  # deterministic
