@@ -1,0 +1,145 @@
+"""A tiny GPT-MoE built by megatron-core with `mok` vs the stock `alltoall` dispatcher,
+on CPU with gloo, EP=1 and EP=2 (two processes), with and without a shared expert:
+the same parameters (one state dict loads into both), the same loss and the same
+gradient for every parameter, router included, within fp32 tolerance. Checkpoints
+written through Megatron's distributed checkpointing load across dispatchers."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_utils import run_distributed
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+
+
+def _setup(ep_size):
+    from megatron_mok.megatron.cpu_shims import apply_cpu_shims
+    apply_cpu_shims()
+    import megatron_mok.megatron  # noqa: F401  (registers the "mok" dispatcher type)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
+    model_parallel_cuda_manual_seed(123)
+
+
+def _build(dispatcher, shared, seed=7):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_mok.config import MoKConfig
+    from megatron_mok.megatron import gpt_decoder_block_spec
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=shared, moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=dist.get_world_size(), moe_aux_loss_coeff=1e-2,
+        moe_router_load_balancing_type="aux_loss", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        moe_router_dtype="fp32", init_method_std=0.2, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        masked_softmax_fusion=False)
+    if dispatcher == "mok":
+        spec = gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      mok_config=MoKConfig(backend="reference"))
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    torch.manual_seed(seed)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type="rope")
+
+
+def _loss(model, seed=0):
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    clear_aux_losses_tracker()
+    per_token = model(tokens, position_ids, None, labels=labels)
+    return per_token.float().mean()
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _parity_fn(rank, ep_size, shared):
+    _setup(ep_size)
+    ref, mok = _build("alltoall", shared), _build("mok", shared)
+    from megatron_mok.megatron import MokMoELayer
+    assert any(isinstance(m, MokMoELayer) for m in mok.modules())
+    assert not any(isinstance(m, MokMoELayer) for m in ref.modules())
+    # Same parameter names and shapes: alltoall's weights load as they are.
+    mok.load_state_dict(ref.state_dict(), strict=True)
+    loss_ref, loss_mok = _loss(ref), _loss(mok)
+    loss_ref.backward()
+    loss_mok.backward()
+    torch.testing.assert_close(loss_mok, loss_ref, rtol=1e-5, atol=1e-6)
+    g_ref, g_mok = _grads(ref), _grads(mok)
+    assert g_ref.keys() == g_mok.keys() and any("router" in n for n in g_mok)
+    assert any("experts" in n for n in g_mok)
+    for name in g_ref:
+        scale = g_ref[name].abs().max().clamp_min(1e-12)
+        err = (g_mok[name] - g_ref[name]).abs().max() / scale
+        assert err < 2e-4, f"rank {rank} {name}: max rel err {float(err):.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size", [1, 2])
+@pytest.mark.parametrize("shared", [None, 32])
+def test_mok_matches_alltoall(ep_size, shared):
+    run_distributed(_parity_fn, ep_size, shared)
+
+
+def _checkpoint_fn(rank, ep_size, ckpt_root):
+    from megatron.core import dist_checkpointing
+    _setup(ep_size)
+    for src, dst in (("alltoall", "mok"), ("mok", "alltoall")):
+        saved = _build(src, 32, seed=11)
+        path = os.path.join(ckpt_root, f"{src}_to_{dst}")
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(saved.sharded_state_dict(), path)
+        loaded = _build(dst, 32, seed=99)  # different init: the checkpoint must overwrite it
+        with torch.no_grad():
+            before = _loss(loaded)
+        state = dist_checkpointing.load(loaded.sharded_state_dict(), path)
+        loaded.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            loss_saved, loss_loaded = _loss(saved), _loss(loaded)
+        assert not torch.allclose(before, loss_saved)
+        torch.testing.assert_close(loss_loaded, loss_saved, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_checkpoint_moves_between_dispatchers(tmp_path, ep_size):
+    run_distributed(_checkpoint_fn, ep_size, str(tmp_path))
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"add_bias_linear": True}, "--add-bias-linear"),
+    ({"gated_linear_unit": False}, "--swiglu"),
+    ({"activation_func": F.gelu}, "--swiglu"),
+    ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size"),
+    ({"moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_apply_probs_on_input": True}, "--moe-apply-probs-on-input"),
+    ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value"),
+])
+def test_unsupported_megatron_configs_fail_naming_the_flag(kwargs, flag):
+    import megatron_mok.megatron  # noqa: F401  (registers "mok")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_mok.megatron.layer import check_mok_supported
+    base = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+                moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
+                add_bias_linear=False, moe_token_dispatcher_type="mok")
+    config = TransformerConfig(**{**base, **kwargs})
+    with pytest.raises(ValueError, match=flag):
+        check_mok_supported(config)
+    check_mok_supported(TransformerConfig(**base))
