@@ -43,6 +43,17 @@ at::Tensor combine_epilogue_cpu(const at::Tensor& slots, const at::Tensor& topk_
 
 TORCH_LIBRARY(megatron_mok, m) {
   m.def("combine_epilogue(Tensor slots, Tensor topk_idx, Tensor topk_w, Tensor? shared) -> Tensor");
+  // EP communication over symmetric memory (csrc/comm/). peer_base: int64 base address
+  // of every rank's symmetric buffer; offsets are byte offsets into it.
+  m.def("ep_barrier(Tensor peer_base, int flag_offset, Tensor(a!) epoch, int rank, "
+        "Tensor(b!) watchdog, int timeout_ms) -> ()");
+  m.def("gather_from_peers(Tensor peer_base, int offset, Tensor(a!) out) -> ()");
+  m.def("pull_rows(Tensor peer_base, int src_offset, Tensor peer_rank, Tensor peer_token, "
+        "Tensor peer_k, Tensor num_rows, int topk, int w_offset, Tensor? saved, Tensor(a!) out, "
+        "Tensor(b!)? dots) -> ()");
+  m.def("push_rows(Tensor rows, Tensor peer_base, int dst_offset, Tensor peer_rank, "
+        "Tensor peer_token, Tensor peer_k, Tensor num_rows, int topk, Tensor? scalars, "
+        "int scalar_offset) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import ops, reference
+from megatron_mok import kernel_backend, ops, reference
 from megatron_mok.config import MoKConfig
 from megatron_mok.schedule import MoKSchedule, build_row_table
 from megatron_mok.validation import check_expert_ids, check_moe_inputs
@@ -29,13 +29,16 @@ from megatron_mok.workspace import MoKWorkspace, clear_workspace_cache, create_w
 __all__ = [
     "MoKConfig", "MoKWorkspace", "MoKSchedule", "MoKForwardContext", "MoKGrads",
     "create_workspace", "get_workspace", "clear_workspace_cache", "build_schedule", "forward",
-    "backward", "recompute_forward_context", "resolve_backend", "MoKFunction", "fused_moe",
+    "backward", "recompute_forward_context", "resolve_backend", "synchronize", "MoKFunction",
+    "fused_moe",
 ]
 
 
-def resolve_backend(config: MoKConfig, device: torch.device) -> str:
-    """The backend that runs on `device`; forcing an unavailable one is an error."""
-    available, reason = ops.kernel_backend_status(device)
+def resolve_backend(config: MoKConfig, device: torch.device,
+                    dtype: Optional[torch.dtype] = None) -> str:
+    """The backend that runs on `device` for activations of `dtype`; forcing an
+    unavailable one is an error."""
+    available, reason = ops.kernel_backend_status(device, dtype)
     if config.backend == "kernel" and not available:
         raise RuntimeError(f"megatron_mok: backend='kernel' is not available here: {reason}. "
                            f"Use backend='reference' or 'auto'.")
@@ -61,11 +64,18 @@ def build_schedule(ws: MoKWorkspace, config: MoKConfig, topk_idx: torch.Tensor) 
         raise ValueError(f"topk_idx is on {topk_idx.device}, the workspace on {ws.device}")
     if not topk_idx.is_contiguous():
         raise ValueError("topk_idx must be contiguous")
-    if topk_idx.device.type == "cpu" or config.debug_checks or \
-            resolve_backend(config, ws.device) == "reference":
+    kernel = ws.arena is not None
+    if topk_idx.device.type == "cpu" or config.debug_checks or not kernel:
         check_expert_ids(topk_idx, ws.num_experts)
-    topk_idx_all = reference.gather_routing(topk_idx, ws.group)
-    return build_row_table(topk_idx_all, ws.ep_rank, ws.num_local_experts, ws.capacity)
+    if kernel:
+        topk_idx_all = kernel_backend.gather_routing(ws, topk_idx)
+    else:
+        topk_idx_all = reference.gather_routing(topk_idx, ws.group)
+    sched = build_row_table(topk_idx_all, ws.ep_rank, ws.num_local_experts, ws.capacity,
+                            num_experts=ws.num_experts)
+    if config.debug_checks:
+        sched.check_errors()
+    return sched
 
 
 @dataclasses.dataclass
@@ -73,8 +83,10 @@ class MoKForwardContext:
     """What backward needs from forward. The reference backend keeps its autograd graph."""
 
     backend: str
-    leaves: tuple            # detached inputs the gradients are taken for
-    output: Optional[torch.Tensor]
+    output: Optional[torch.Tensor]  # y (detached); None once backward consumed the context
+    leaves: tuple = ()       # reference: detached inputs the gradients are taken for
+    graph: Optional[torch.Tensor] = None  # reference: y with its autograd graph
+    saved: object = None     # kernel: kernel_backend.KernelSaved
 
 
 @dataclasses.dataclass
@@ -114,17 +126,19 @@ def forward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, 
 
 def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, *, keep_ctx):
     topk_idx = _check_pass_inputs(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2)
-    backend = resolve_backend(config, x.device)
-    if backend == "kernel":  # pragma: no cover - resolve_backend refuses it in this build
-        raise NotImplementedError
-    if sched.overflow.device.type == "cpu" or backend == "reference":
-        sched.raise_if_overflow()
+    backend = "kernel" if ws.arena is not None else "reference"
+    if backend == "kernel":
+        y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
+                                          keep_ctx)
+        return y, MoKForwardContext(backend, y if keep_ctx else None, saved=saved)
+    sched.check_errors()  # the reference is not sync-free anyway
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)
                    for t in (x, topk_w, w1, w2, shared_w1, shared_w2))
     with torch.enable_grad() if keep_ctx else torch.no_grad():
         y = reference.moe_reference(leaves[0], topk_idx, *leaves[1:], group=ws.group,
                                     check=False, topk_idx_all=sched.topk_idx_all)
-    ctx = MoKForwardContext(backend=backend, leaves=leaves, output=y if keep_ctx else None)
+    ctx = MoKForwardContext(backend, y.detach() if keep_ctx else None, leaves=leaves,
+                            graph=y if keep_ctx else None)
     return y.detach(), ctx
 
 
@@ -137,11 +151,28 @@ def backward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: MoKFo
     if grad_output.shape != ctx.output.shape or grad_output.dtype != ctx.output.dtype:
         raise ValueError(f"grad_output must be {tuple(ctx.output.shape)} {ctx.output.dtype}, got "
                          f"{tuple(grad_output.shape)} {grad_output.dtype}")
+    ctx.output = None  # the context is consumed
+    if ctx.backend == "kernel":
+        grads = kernel_backend.backward(ws, sched, ctx.saved, grad_output.contiguous())
+        ctx.saved = None
+        return MoKGrads(*grads)
     wanted = [t for t in ctx.leaves if t is not None]
-    grads = torch.autograd.grad(ctx.output, wanted, grad_output, allow_unused=True)
+    grads = torch.autograd.grad(ctx.graph, wanted, grad_output, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads)]
-    ctx.output = None  # the graph is consumed
+    ctx.graph = None
     return MoKGrads(*grads)
+
+
+def synchronize(ws: MoKWorkspace) -> None:
+    """Wait for the device; if a watchdog trapped (a peer never arrived), raise a
+    RuntimeError carrying where it was stuck instead of the bare CUDA error."""
+    try:
+        torch.cuda.synchronize(ws.device)
+    except RuntimeError as err:
+        report = ws.arena.watchdog_report() if ws.arena is not None else None
+        if report:
+            raise RuntimeError(report) from err
+        raise
 
 
 class MoKFunction(torch.autograd.Function):
@@ -179,6 +210,6 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False)
     ws = get_workspace(config, group, device=x.device, num_local_tokens=x.shape[0],
                        hidden_size=x.shape[1], topk=topk_idx.shape[1],
-                       num_local_experts=w1.shape[0])
+                       num_local_experts=w1.shape[0], dtype=x.dtype)
     sched = build_schedule(ws, config, topk_idx)
     return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute)

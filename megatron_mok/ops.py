@@ -30,6 +30,10 @@ if _C is not None:
     def _combine_epilogue_fake(slots, topk_idx, topk_w, shared):
         return slots.new_empty(slots.shape[0], slots.shape[2])
 
+    # The communication ops only write into their (a!) arguments.
+    for _name in ("ep_barrier", "gather_from_peers", "pull_rows", "push_rows"):
+        torch.library.register_fake(f"megatron_mok::{_name}")(lambda *args, **kwargs: None)
+
 
 def combine_epilogue(slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                      shared: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -39,9 +43,33 @@ def combine_epilogue(slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.
     return torch.ops.megatron_mok.combine_epilogue(slots, topk_idx, topk_w, shared)
 
 
-# The fused Hopper pass (dispatch + grouped GEMMs + combine) is not part of this
-# build yet; the functional layer refuses backend="kernel" with this reason.
-KERNEL_PASS_BUILT = False
+def ep_barrier(peer_base, flag_offset: int, epoch, rank: int, watchdog, timeout_ms: int) -> None:
+    torch.ops.megatron_mok.ep_barrier(peer_base, flag_offset, epoch, rank, watchdog, timeout_ms)
+
+
+def gather_from_peers(peer_base, offset: int, out) -> None:
+    torch.ops.megatron_mok.gather_from_peers(peer_base, offset, out)
+
+
+def pull_rows(peer_base, src_offset: int, sched, topk: int, out, *, w_offset: int = -1,
+              saved=None, dots=None) -> None:
+    """out[j] = row sched.peer_token[j] of rank sched.peer_rank[j]'s buffer at src_offset
+    (times that rank's router weight at w_offset when given; dots[j] = <row, saved[j]>)."""
+    torch.ops.megatron_mok.pull_rows(peer_base, src_offset, sched.peer_rank, sched.peer_token,
+                                     sched.peer_k, sched.num_rows, topk, w_offset, saved, out,
+                                     dots)
+
+
+def push_rows(rows, peer_base, dst_offset: int, sched, topk: int, *, scalars=None,
+              scalar_offset: int = 0) -> None:
+    """rows[j] -> slot (token, k) of rank peer_rank[j]'s buffer at dst_offset (and scalars)."""
+    torch.ops.megatron_mok.push_rows(rows, peer_base, dst_offset, sched.peer_rank,
+                                     sched.peer_token, sched.peer_k, sched.num_rows, topk,
+                                     scalars, scalar_offset)
+
+
+# The v1 kernel backend needs the communication ops of csrc/comm/.
+KERNEL_PASS_BUILT = _C is not None and hasattr(torch.ops.megatron_mok, "pull_rows")
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,11 +84,15 @@ def _device_status(device_type: str, index: Optional[int]) -> tuple[bool, str]:
     if _C is None:
         return False, EXTENSION_ERROR
     if not KERNEL_PASS_BUILT:
-        return False, "this build has no fused MoE kernels yet (only the combine epilogue op)"
+        return False, "the extension was built without the communication ops"
     return True, ""
 
 
-def kernel_backend_status(device) -> tuple[bool, str]:
-    """(available, reason if not) for the kernel backend on `device`."""
+def kernel_backend_status(device, dtype: Optional[torch.dtype] = None) -> tuple[bool, str]:
+    """(available, reason if not) for the kernel backend on `device` for activations of
+    `dtype` (the kernel pass is BF16; fp32 models run the reference)."""
     device = torch.device(device)
-    return _device_status(device.type, device.index)
+    available, reason = _device_status(device.type, device.index)
+    if available and dtype is not None and dtype != torch.bfloat16:
+        return False, f"the kernel backend computes in bfloat16, not {dtype}"
+    return available, reason

@@ -18,6 +18,7 @@ schedule op must produce the same table.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -35,14 +36,18 @@ class MoKSchedule:
     expert_offsets: torch.Tensor    # [E_loc + 1] int32, padded segment starts; last = num_rows
     num_rows: torch.Tensor          # [1] int32, padded rows in use
     overflow: torch.Tensor          # [1] int32, 1 when the routing did not fit the capacity
+    invalid_ids: torch.Tensor       # [1] int32, 1 when some expert id was outside [-1, E)
     topk_idx_all: torch.Tensor      # [P, T, K] routing of every EP rank (global expert ids)
 
     @property
     def capacity(self) -> int:
         return self.peer_rank.numel()
 
-    def raise_if_overflow(self) -> None:
-        """Turn the device overflow flag into an exception (a sync point the caller chooses)."""
+    def check_errors(self) -> None:
+        """Turn the device error flags into exceptions: a host sync, at a point the caller
+        chooses (the kernel pass itself never syncs)."""
+        if int(self.invalid_ids.item()):
+            raise ValueError("megatron_mok: topk_idx holds expert ids outside [-1, num_experts)")
         if int(self.overflow.item()):
             raise RuntimeError(
                 f"megatron_mok: routing needs {int(self.num_rows.item())} padded rows on this rank "
@@ -51,7 +56,7 @@ class MoKSchedule:
 
 
 def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts: int,
-                    capacity: int) -> MoKSchedule:
+                    capacity: int, num_experts: Optional[int] = None) -> MoKSchedule:
     """Row table of rank `ep_rank` from the routing of all ranks, topk_idx_all [P, T, K]."""
     ep_size, num_tokens, topk = topk_idx_all.shape
     device = topk_idx_all.device
@@ -89,8 +94,11 @@ def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts:
     peer_token = torch.where(valid, route_src // topk % num_tokens, -1)
     peer_k = torch.where(valid, route_src % topk, -1)
     num_rows = offsets[-1:]
+    if num_experts is None:
+        num_experts = ep_size * num_local_experts
+    invalid = ((flat < -1) | (flat >= num_experts)).any().reshape(1)
     return MoKSchedule(
         peer_rank=peer_rank.int(), peer_token=peer_token.int(), peer_k=peer_k.int(),
         tokens_per_expert=counts.int(), expert_offsets=offsets.int(),
         num_rows=num_rows.int(), overflow=(num_rows > capacity).int(),
-        topk_idx_all=topk_idx_all)
+        invalid_ids=invalid.int(), topk_idx_all=topk_idx_all)

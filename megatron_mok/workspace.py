@@ -2,13 +2,15 @@
 
 Creation validates the shapes, checks that every EP rank uses the same T, H, K
 (one collective, here and never again in the hot path) and sizes the row table.
-The kernel backend adds its symmetric-memory buffers (x, combine slots, dy, dx
-slots, routing, barrier pad) to the same object.
+For the kernel backend it also allocates the symmetric arena (x, dy, routing,
+router weights, combine / dx slots, barrier flags) that every rank of the EP group
+reads and writes over NVLink.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -29,11 +31,83 @@ class MoKWorkspace:
     topk: int                  # K
     num_local_experts: int     # E_loc
     capacity: int              # rows of the row table
-    buffers: dict = dataclasses.field(default_factory=dict)  # backend-owned buffers
+    dtype: torch.dtype = torch.bfloat16
+    arena: Optional["SymmetricArena"] = None  # kernel backend only
 
     @property
     def num_experts(self) -> int:
         return self.num_local_experts * self.ep_size
+
+
+class SymmetricArena:
+    """One symmetric allocation per workspace, carved into named views at byte offsets
+    that are identical on every rank, so a peer's view is its base address + offset.
+
+    EP = 1 needs no symmetric memory: a plain allocation with one "peer" (itself).
+    """
+
+    MAX_RANKS = 64
+    WATCHDOG_TIMEOUT_MS = 60_000
+
+    def __init__(self, group, ep_size: int, ep_rank: int, device: torch.device,
+                 num_tokens: int, hidden: int, topk: int, dtype: torch.dtype):
+        tk = num_tokens * topk
+        self.layout: dict[str, tuple[int, tuple, torch.dtype]] = {}
+        size = 0
+        for name, shape, view_dtype in (
+                ("flags", (self.MAX_RANKS,), torch.int64),     # barrier arrivals, one per rank
+                ("routing", (num_tokens, topk), torch.int32),  # topk_idx, published
+                ("topk_w", (num_tokens, topk), torch.float32),  # router weights, published
+                ("d_topk_w", (tk,), torch.float32),             # pushed router-weight grads
+                ("x", (num_tokens, hidden), dtype),             # tokens, pulled by expert ranks
+                ("dy", (num_tokens, hidden), dtype),            # output grads, pulled
+                ("slots", (tk, hidden), dtype)):                # pushed rows: y (fwd) / dx (bwd)
+            self.layout[name] = (size, shape, view_dtype)
+            nbytes = math.prod(shape) * torch.empty((), dtype=view_dtype).element_size()
+            size += -(-nbytes // 256) * 256
+        if ep_size > 1:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+            handle = symm_mem.rendezvous(self.buffer, group)
+            peers = list(handle.buffer_ptrs)
+        else:
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            peers = [self.buffer.data_ptr()]
+        self.buffer.zero_()
+        self.peer_base = torch.tensor(peers, dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        # Pinned so the device can fill it before a watchdog trap and the host can read it after.
+        self.watchdog = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        if ep_size > 1:  # every rank's flags are zero before anyone arrives
+            torch.cuda.synchronize(device)
+            dist.barrier(group)
+
+    def offset(self, name: str) -> int:
+        return self.layout[name][0]
+
+    def view(self, name: str) -> torch.Tensor:
+        offset, shape, view_dtype = self.layout[name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=view_dtype).element_size()
+        return self.buffer[offset:offset + nbytes].view(view_dtype).view(shape)
+
+    def barrier(self, timeout_ms: Optional[int] = None) -> None:
+        """EP-group barrier on the current stream (no host sync); no-op at EP 1."""
+        if self.ep_size == 1:
+            return
+        from megatron_mok import ops
+        ops.ep_barrier(self.peer_base, self.offset("flags"), self.epoch, self.ep_rank,
+                       self.watchdog, self.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms)
+
+    def watchdog_report(self) -> Optional[str]:
+        """What the watchdog recorded before a trap, or None."""
+        state, what, rank, peer, expected, seen, waited_ns, block = self.watchdog.tolist()
+        if state == 0:
+            return None
+        where = "EP barrier" if what == 1 else f"wait #{what}"
+        return (f"megatron_mok watchdog: rank {rank} stuck in {where} (block {block}) waiting for "
+                f"peer {peer}: expected arrival {expected}, saw {seen} after {waited_ns / 1e6:.0f} ms")
 
 
 _CACHE: dict = {}
@@ -46,8 +120,10 @@ def _group_key(group) -> Any:
 
 
 def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
-                     hidden_size: int, topk: int, num_local_experts: int) -> MoKWorkspace:
-    """Validate the shapes, agree on them across the EP group and size the row table."""
+                     hidden_size: int, topk: int, num_local_experts: int,
+                     dtype: torch.dtype = torch.bfloat16, symmetric: bool = False) -> MoKWorkspace:
+    """Validate the shapes, agree on them across the EP group and size the row table;
+    with `symmetric`, allocate the kernel backend's arena (a collective)."""
     for name, value in (("num_local_tokens", num_local_tokens), ("hidden_size", hidden_size),
                         ("topk", topk), ("num_local_experts", num_local_experts)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -58,23 +134,35 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
         ep_size, ep_rank = 1, 0
     check_same_shape_across_ranks(group, tokens=num_local_tokens, hidden=hidden_size, topk=topk,
                                   local_experts=num_local_experts)
+    device = torch.device(device)
+    arena = None
+    if symmetric:
+        arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,
+                               topk, dtype)
     return MoKWorkspace(
         group=group if ep_size > 1 else None, ep_size=ep_size, ep_rank=ep_rank,
-        device=torch.device(device), num_tokens=num_local_tokens, hidden_size=hidden_size,
+        device=device, num_tokens=num_local_tokens, hidden_size=hidden_size,
         topk=topk, num_local_experts=num_local_experts,
-        capacity=schedule_capacity(config, num_local_tokens, topk, ep_size, num_local_experts))
+        capacity=schedule_capacity(config, num_local_tokens, topk, ep_size, num_local_experts),
+        dtype=dtype, arena=arena)
 
 
 def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hidden_size: int,
-                  topk: int, num_local_experts: int) -> MoKWorkspace:
-    """Cached create_workspace, keyed by group, device, shapes and capacity multiplier."""
+                  topk: int, num_local_experts: int, dtype: torch.dtype = torch.bfloat16
+                  ) -> MoKWorkspace:
+    """Cached create_workspace, keyed by group, device, shapes, dtype and capacity
+    multiplier; allocates the symmetric arena when the kernel backend will run."""
+    from megatron_mok.functional import resolve_backend
+
+    symmetric = resolve_backend(config, torch.device(device), dtype) == "kernel"
     key = (_group_key(group), str(torch.device(device)), num_local_tokens, hidden_size, topk,
-           num_local_experts, config.schedule_capacity_multiplier)
+           num_local_experts, dtype, config.schedule_capacity_multiplier, symmetric)
     ws = _CACHE.get(key)
     if ws is None:
         ws = create_workspace(config, group, device=device, num_local_tokens=num_local_tokens,
                               hidden_size=hidden_size, topk=topk,
-                              num_local_experts=num_local_experts)
+                              num_local_experts=num_local_experts, dtype=dtype,
+                              symmetric=symmetric)
         _CACHE[key] = ws
     return ws
 

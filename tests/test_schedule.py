@@ -45,7 +45,7 @@ def test_overflow_is_flagged_not_silent():
     s = build_row_table(idx, 0, 4, capacity=256)
     assert int(s.overflow) == 1 and int(s.num_rows) > 256
     try:
-        s.raise_if_overflow()
+        s.check_errors()
     except RuntimeError as err:
         assert "capacity" in str(err)
     else:

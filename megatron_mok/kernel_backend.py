@@ -1,0 +1,137 @@
+"""The GPU pass, v1 (DESIGN.md section 4 as a sequence of launches, no host sync).
+
+Forward, per rank:  publish x -> barrier -> pull rows of x into row-table order ->
+grouped GEMM fc1 -> SwiGLU -> grouped GEMM fc2 -> push rows into the owners'
+(t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert).
+
+Backward: publish dy and the router weights -> barrier -> pull dy rows scaled by
+their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->
+SwiGLU backward -> fc1 dgrad -> push dx rows and d_topk_w into the owners' slots ->
+weight gradients (one grouped GEMM per weight, tokens as K in row-table order) ->
+barrier -> dx = shared dx + sum_k slots in fp32.
+
+Launch shapes depend only on the workspace (capacity), never on the routing, so the
+pass is CUDA-graph capturable. The megakernel issues replace these launches one by
+one behind the same functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_mok import ops
+from megatron_mok.schedule import MoKSchedule
+from megatron_mok.workspace import MoKWorkspace
+
+
+def gather_routing(ws: MoKWorkspace, topk_idx: torch.Tensor) -> torch.Tensor:
+    """Every rank's routing, [P, T, K] int32, read from the peers' arenas."""
+    arena = ws.arena
+    if ws.ep_size == 1:
+        return topk_idx.to(torch.int32).unsqueeze(0)
+    arena.view("routing").copy_(topk_idx)
+    arena.barrier()
+    out = torch.empty(ws.ep_size, ws.num_tokens, ws.topk, dtype=torch.int32, device=ws.device)
+    ops.gather_from_peers(arena.peer_base, arena.offset("routing"), out)
+    return out
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(h.dtype)
+
+
+def _swiglu_backward(h: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
+    gate, up = h.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    d = d_act.float()
+    d_gate = d * up * sig * (1 + gate * (1 - sig))
+    d_up = d * gate * sig
+    return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
+
+
+def _shared_forward(x, shared_w1, shared_w2, keep_graph: bool):
+    """Shared expert on this rank's tokens (BF16 GEMMs); keeps its graph for backward."""
+    leaves = tuple(t.detach().requires_grad_(keep_graph) for t in (x, shared_w1, shared_w2))
+    with torch.enable_grad() if keep_graph else torch.no_grad():
+        act = _swiglu(leaves[0] @ leaves[1].t())
+        out = act @ leaves[2].t()
+    return out, leaves
+
+
+@dataclasses.dataclass
+class KernelSaved:
+    topk_idx: torch.Tensor
+    topk_w: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    x_rows: torch.Tensor       # [capacity, H] routed tokens, row-table order
+    h: torch.Tensor            # [capacity, 2I] fc1 output (gate; up)
+    act: torch.Tensor          # [capacity, I] SwiGLU output
+    y_rows: torch.Tensor       # [capacity, H] expert output rows
+    shared_out: Optional[torch.Tensor]
+    shared_leaves: Optional[tuple]
+
+
+def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, shared_w2,
+            keep_ctx: bool):
+    arena, topk = ws.arena, ws.topk
+    num_tokens, hidden = x.shape
+    topk_idx = sched.topk_idx_all[ws.ep_rank]
+    arena.view("x").copy_(x)
+    shared_out = shared_leaves = None
+    if shared_w1 is not None:  # independent of the peers: runs before the barrier
+        shared_out, shared_leaves = _shared_forward(x, shared_w1, shared_w2, keep_ctx)
+    arena.barrier()
+    offs = sched.expert_offsets[1:]
+    x_rows = x.new_empty(ws.capacity, hidden)
+    ops.pull_rows(arena.peer_base, arena.offset("x"), sched, topk, x_rows)
+    h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
+    act = _swiglu(h)
+    y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, topk)
+    arena.barrier()
+    slots = arena.view("slots").view(num_tokens, topk, hidden)
+    y = ops.combine_epilogue(slots, topk_idx, topk_w.detach(),
+                             None if shared_out is None else shared_out.detach())
+    saved = None
+    if keep_ctx:
+        saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h, act,
+                            y_rows, shared_out, shared_leaves)
+    return y, saved
+
+
+def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor):
+    """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2)."""
+    arena, topk = ws.arena, ws.topk
+    num_tokens, hidden = dy.shape
+    arena.view("dy").copy_(dy)
+    arena.view("topk_w").copy_(saved.topk_w)
+    d_shared = (None, None, None)
+    if saved.shared_out is not None:  # local work first, while peers catch up
+        d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
+    arena.barrier()
+    offs = sched.expert_offsets[1:]
+    d_out = dy.new_empty(ws.capacity, hidden)
+    dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
+    ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out,
+                  w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
+    d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
+    d_h = _swiglu_backward(saved.h, d_act)
+    dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
+    ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk, scalars=dots,
+                  scalar_offset=arena.offset("d_topk_w"))
+    # Weight gradients: tokens are K, in row-table order; one GEMM owns each output tile.
+    dw2 = torch._grouped_mm(d_out.t(), saved.act, offs=offs)
+    dw1 = torch._grouped_mm(d_h.t(), saved.x_rows, offs=offs)
+    arena.barrier()
+    routed = saved.topk_idx >= 0
+    slots = arena.view("slots").view(num_tokens, topk, hidden)
+    ones = routed.to(torch.float32)
+    dx = ops.combine_epilogue(slots, saved.topk_idx, ones, d_shared[0])
+    d_topk_w = torch.where(routed, arena.view("d_topk_w").view(num_tokens, topk), 0.0)
+    return dx, d_topk_w, dw1, dw2, d_shared[1], d_shared[2]
