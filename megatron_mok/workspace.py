@@ -113,6 +113,14 @@ class SymmetricArena:
 _CACHE: dict = {}
 
 
+def _normalize_device(device) -> torch.device:
+    """'cuda' -> 'cuda:<current>', so devices compare equal to tensors' devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _group_key(group) -> Any:
     if group is None or not dist.is_initialized():
         return None
@@ -134,7 +142,7 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
         ep_size, ep_rank = 1, 0
     check_same_shape_across_ranks(group, tokens=num_local_tokens, hidden=hidden_size, topk=topk,
                                   local_experts=num_local_experts)
-    device = torch.device(device)
+    device = _normalize_device(device)
     arena = None
     if symmetric:
         arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,
@@ -154,8 +162,9 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
     multiplier; allocates the symmetric arena when the kernel backend will run."""
     from megatron_mok.functional import resolve_backend
 
-    symmetric = resolve_backend(config, torch.device(device), dtype) == "kernel"
-    key = (_group_key(group), str(torch.device(device)), num_local_tokens, hidden_size, topk,
+    device = _normalize_device(device)
+    symmetric = resolve_backend(config, device, dtype) == "kernel"
+    key = (_group_key(group), str(device), num_local_tokens, hidden_size, topk,
            num_local_experts, dtype, config.schedule_capacity_multiplier, symmetric)
     ws = _CACHE.get(key)
     if ws is None:
