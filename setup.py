@@ -59,7 +59,7 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["megatron_mok", "megatron_mok.*"]),
     python_requires=">=3.12",
-    install_requires=["torch>=2.11", "megatron-core>=0.19,<0.20", "numpy"],
+    install_requires=["torch>=2.11", "megatron-core>=0.19,<0.20", "numpy", "psutil"],
     extras_require={"build": ["nvidia-cutlass==4.2.0.0", "ninja"], "test": ["pytest"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 
 import torch
@@ -44,6 +45,10 @@ class _CudaOnCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            # A mode is off while it handles a call, so func would run the whole backward pass
+            # unmapped: custom Functions' backward (_AllToAll, recompute) would hit 'cuda'.
+            return self._backward(func, args, kwargs)
         if func is torch.Tensor.cuda:
             # `.cuda()` (model.cuda(), batch.cuda()) leaves the tensor where it is: the CPU.
             return args[0]
@@ -53,9 +58,6 @@ class _CudaOnCpuMode(TorchFunctionMode):
                 name = func(*args)
                 return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
             args = tuple(a.replace("torch.cuda.", "torch.", 1) if isinstance(a, str) else a for a in args)
-        if func is torch.Tensor.record_stream:
-            # Side-stream bookkeeping of device-to-host copies; streams are dummies here.
-            return None
         if func in (torch.Tensor.to,) and len(args) > 1 and _is_device_like(args[1]):
             # `t.to('cuda')` / `t.to(torch.cuda.current_device())`.
             args = (args[0], _cpu_device(args[1])) + tuple(args[2:])
@@ -63,6 +65,26 @@ class _CudaOnCpuMode(TorchFunctionMode):
             # `torch.empty(..., device='cuda')`, `device=torch.cuda.current_device()` (an int).
             kwargs["device"] = _cpu_device(kwargs["device"])
         return func(*args, **kwargs)
+
+    def _backward(self, func, args, kwargs):
+        """torch.autograd.backward's body, run with this mode pushed again."""
+        from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+        from torch.autograd.graph import _engine_run_backward
+
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        tensors = a["self"] if "self" in a else a["tensors"]
+        grads = a["gradient"] if "gradient" in a else a["grad_tensors"]
+        tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
+        inputs = a["inputs"]
+        inputs = () if inputs is None else (inputs,) if torch.is_tensor(inputs) else tuple(inputs)
+        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)),
+                            is_grads_batched=False)
+        retain_graph = a["retain_graph"] if a["retain_graph"] is not None else a["create_graph"]
+        with self:
+            _engine_run_backward(tensors, grads, retain_graph, a["create_graph"], inputs,
+                                 allow_unreachable=True, accumulate_grad=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -136,10 +158,6 @@ def _manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
-def _seed():
-    torch.default_generator.seed()
-
-
 class _ForkCheckFilter(logging.Filter):
     """Drops the tracker's 'CPU RNG state changed within GPU RNG context' warning."""
 
@@ -180,52 +198,49 @@ def apply_cpu_shims() -> None:
     mt_initialize.initialize_megatron = init
     mt_training.initialize_megatron = init
 
-    # Parallel groups and the CUDA RNG tracker are only set up when device_count() > 0.
+    # Parallel groups and the RNG tracker are only built when device_count() > 0.
     torch.cuda.device_count = lambda: 1
-    # local_rank -> set_device and `with torch.cuda.device(i)` must not touch a driver.
+    # _initialize_distributed calls set_device(local_rank) once device_count() > 0.
     torch.cuda.set_device = lambda device: None
-    torch.cuda.device = lambda device=None: contextlib.nullcontext()
-    # current_device() is passed as `device=`; the function mode maps ordinal 0 to the CPU.
+    # current_device() is called everywhere (a real one needs a driver); 0 is mapped to CPU.
     torch.cuda.current_device = lambda: 0
 
-    # torch.cuda RNG calls would lazily init CUDA (raise) or be silently queued (seeds):
-    # point them at the CPU generator, the one CPU dropout actually draws from.
+    # The RNG tracker reads torch.cuda.get_rng_state() (needs a driver) and seeds with
+    # torch.cuda.manual_seed() (silently queued without CUDA: every tracker state would be
+    # the same unseeded one); checkpoint loading calls set_rng_state. Use the CPU generator.
     for mod in (torch.cuda, torch.cuda.random):
         mod.get_rng_state = _get_rng_state
         mod.set_rng_state = _set_rng_state
-        mod.get_rng_state_all = lambda: [torch.get_rng_state()]
-        mod.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
         mod.manual_seed = _manual_seed
-        mod.manual_seed_all = _manual_seed
-        mod.seed = _seed
-        mod.seed_all = _seed
-        mod.initial_seed = torch.initial_seed
-    # Megatron's RNG tracker forks through its own helpers (default_generators[cuda idx]);
-    # without this its fork silently never switches the generator dropout uses.
+    # The tracker's fork() switches generators through these helpers (default_generators
+    # of a CUDA device); without them fork never switches and inits/dropout draw wrongly.
     mc_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
         torch.get_rng_state())
     mc_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
         torch.set_rng_state(new_state))
-    # With one generator the tracker's "CPU RNG changed inside a GPU fork" check always fires.
+    # With one generator, fork()'s "CPU RNG state changed" check fires on every dropout.
     logging.getLogger(mc_random.__name__).addFilter(_ForkCheckFilter())
 
-    # Host/device syncs and the caching allocator have nothing to do on the CPU.
+    # The step logger and timers synchronize (needs a driver); there is nothing to wait for.
     torch.cuda.synchronize = lambda device=None: None
+    # Called by train/eval/GC paths (--empty-unused-memory-level, manual GC); no allocator.
     torch.cuda.empty_cache = lambda: None
-    # DDP init, the MoE dispatcher and the training loop create side streams and events.
+    # DDP init and the MoE dispatcher make side streams (real ones need a driver).
     torch.cuda.Stream = _Stream
+    # Events pair with streams in offload/overlap paths; a wall-clock stand-in.
     torch.cuda.Event = _Event
+    # DDP init and the dispatcher compare/wait on current_stream() (needs a driver).
     torch.cuda.current_stream = lambda device=None: _Stream()
-    torch.cuda.default_stream = lambda device=None: _Stream()
-    torch.cuda.set_stream = lambda stream: None
+    # `with torch.cuda.stream(s)` type-checks s against the real Stream class.
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
-    # gloo's all_to_all_single needs host split sizes; the alltoall dispatcher only converts
-    # them to numpy when they live on a GPU (`tensor.is_cuda`).
+    # gloo's all_to_all_single needs host split sizes (list/numpy, not tensors); the
+    # alltoall dispatcher only converts them when they are CUDA tensors (EP > 1).
     moved = _splits_to_numpy(moe_utils.maybe_move_tensor_to_cpu)
     moe_utils.maybe_move_tensor_to_cpu = moved
     token_dispatcher.maybe_move_tensor_to_cpu = moved
 
-    # Megatron hard-codes device='cuda', .cuda() and 'torch.cuda.*Tensor' type checks.
+    # Megatron hard-codes device='cuda' / device=current_device(), .cuda(), and
+    # 'torch.cuda.FloatTensor' type() checks: one function mode maps them all to the CPU.
     _MODE = _CudaOnCpuMode()
     _MODE.__enter__()
