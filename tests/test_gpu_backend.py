@@ -151,13 +151,18 @@ def test_overflow_flag_raises_at_check():
 
 # --- several ranks sharing the GPU --------------------------------------------------
 
-def _ep_rank_fn(rank, ep_size, out_dir):
+def _ep_rank_fn(rank, ep_size, out_dir, routing):
     torch.cuda.set_device(0)
     import torch.distributed as dist
     hidden, inter, local, topk = 1024, 512, 4, 4
     g_inputs = make_moe_inputs(num_tokens=300 * ep_size, hidden=hidden, inter=inter,
                                num_local_experts=local * ep_size, topk=topk, shared_inter=256,
                                seed=31, drop_fraction=0.05)
+    config = KERNEL
+    if routing == "adversarial":  # every token to the experts of rank 0
+        g_inputs["topk_idx"] = torch.arange(topk, dtype=torch.int32).repeat(300 * ep_size, 1)
+        # Rank 0 receives every route of every rank: provision the row table for it.
+        config = MoKConfig(backend="kernel", schedule_capacity_multiplier=1.0)
     tokens = slice(rank * 300, (rank + 1) * 300)
     experts = slice(rank * local, (rank + 1) * local)
     local_in = {"x": g_inputs["x"][tokens], "topk_idx": g_inputs["topk_idx"][tokens],
@@ -166,8 +171,8 @@ def _ep_rank_fn(rank, ep_size, out_dir):
                 "shared_w2": g_inputs["shared_w2"]}
     dy = torch.randn(300 * ep_size, hidden, generator=torch.Generator().manual_seed(32))[tokens]
     cuda_in = {k: v.contiguous().cuda() for k, v in local_in.items()}
-    y, grads = _run(cuda_in, KERNEL, dy.bfloat16().cuda(), group=dist.group.WORLD)
-    y2, grads2 = _run(cuda_in, KERNEL, dy.bfloat16().cuda(), group=dist.group.WORLD)
+    y, grads = _run(cuda_in, config, dy.bfloat16().cuda(), group=dist.group.WORLD)
+    y2, grads2 = _run(cuda_in, config, dy.bfloat16().cuda(), group=dist.group.WORLD)
     deterministic = torch.equal(y, y2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
     cpu_in = {k: v.contiguous() for k, v in local_in.items()}
     y_ref, grads_ref = _run(cpu_in, MoKConfig(backend="reference"), dy.bfloat16(),
@@ -178,13 +183,14 @@ def _ep_rank_fn(rank, ep_size, out_dir):
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("ep_size", [2, 4, 8])
-def test_ep_ranks_sharing_one_gpu(tmp_path, ep_size, monkeypatch):
+@pytest.mark.parametrize("ep_size, routing", [(2, "balanced"), (4, "balanced"), (8, "balanced"),
+                                              (2, "adversarial"), (4, "adversarial")])
+def test_ep_ranks_sharing_one_gpu(tmp_path, ep_size, routing, monkeypatch):
     from dist_utils import run_distributed
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    run_distributed(_ep_rank_fn, ep_size, str(tmp_path))
+    run_distributed(_ep_rank_fn, ep_size, str(tmp_path), routing)
     for rank in range(ep_size):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["deterministic"], rank
