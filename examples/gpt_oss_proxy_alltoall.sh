@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPT-OSS-120B proxy (plain SwiGLU, 4 of 36 layers), EP8 on one 8-GPU node,
+# with Megatron's all-to-all token dispatcher (the baseline).
+# Twin: examples/gpt_oss_proxy_mok.sh (same configs/gpt_oss_proxy.args, other dispatcher).
+#
+#   examples/gpt_oss_proxy_alltoall.sh [extra Megatron / --mok-* flags...]
+#
+# Runs from any directory (relative paths in extra flags stay relative to yours). NPROC
+# (default 8) and the rest of examples/train.sh's environment pass through.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export NPROC=${NPROC:-8}
+exec bash "$repo/examples/train.sh" "$repo/configs/gpt_oss_proxy.args" alltoall "$@"

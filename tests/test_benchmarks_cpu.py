@@ -1,0 +1,394 @@
+"""CPU tests of the EP=1 layer benchmark (benchmarks/): shapes and FLOP formulas, the
+routing generators, the torch-unfused baseline against the reference, the records and
+the report (README table, markers). The timing itself needs a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # benchmarks/ is a top-level folder, not an installed package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import layer as L  # noqa: E402
+from benchmarks import report as R  # noqa: E402
+from benchmarks import shapes as S  # noqa: E402
+from megatron_mok.reference import moe_reference  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------
+# Shapes and FLOPs
+# ----------------------------------------------------------------------------------------
+
+def test_shapes_match_benchmarks_md():
+    want = {  # name: (H, I, E, K, shared I) from ../shared/BENCHMARKS.md
+        "qwen3-30b-a3b": (2048, 768, 128, 8, 0),
+        "deepseek-v3": (7168, 2048, 256, 8, 2048),
+        "dsv4-pro": (7168, 3072, 384, 6, 3072),
+        "qwen3.5-like": (4096, 1024, 512, 10, 0),
+        "gpt-oss-120b": (2880, 2880, 128, 4, 0),
+        "mixtral-8x7b": (4096, 14336, 8, 2, 0),
+    }
+    assert list(S.SHAPES) == list(want)
+    for name, (h, i, e, k, si) in want.items():
+        s = S.get_shape(name)
+        assert (s.hidden, s.inter, s.num_experts, s.topk, s.shared_inter) == (h, i, e, k, si)
+    e_loc = {n: S.ep8_proxy(S.SHAPES[n]).num_local_experts for n in want}
+    assert e_loc == {"qwen3-30b-a3b": 16, "deepseek-v3": 32, "dsv4-pro": 48,
+                     "qwen3.5-like": 64, "gpt-oss-120b": 16, "mixtral-8x7b": 8}
+    with pytest.raises(KeyError):
+        S.get_shape("nope")
+
+
+def test_flop_formulas():
+    assert S.forward_flops(10, 3, 5, 2, 7) == 6 * (10 * 2 * 5 + 10 * 7) * 3
+    assert S.backward_flops(10, 3, 5, 2, 7) == 2 * S.forward_flops(10, 3, 5, 2, 7)
+    local = S.ep8_proxy(S.SHAPES["deepseek-v3"])
+    assert S.pass_flops(local, 8192, "bwd") == 2 * S.pass_flops(local, 8192, "fwd")
+    # DEVELOPING.md's unfused H200 table: T = 8192, ms -> TFLOP/s.
+    for name, ms, tflops in (("qwen3-30b-a3b", 3.15, 196), ("deepseek-v3", 16.46, 395),
+                             ("dsv4-pro", 17.45, 434), ("mixtral-8x7b", 11.79, 490)):
+        f = S.pass_flops(S.ep8_proxy(S.SHAPES[name]), 8192, "fwd")
+        assert f / (ms * 1e-3) / 1e12 == pytest.approx(tflops, rel=0.01), name
+    assert S.gemm_floor_ms(790e12 * 1e-3, 790.0) == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Routing
+# ----------------------------------------------------------------------------------------
+
+def _distinct(idx):
+    s = idx.sort(dim=1).values
+    return bool((s[:, 1:] != s[:, :-1]).all())
+
+
+@pytest.mark.parametrize("kind", S.ROUTINGS)
+def test_routing_format_and_seed(kind):
+    idx, w = S.make_routing(kind, 512, 128, 8, seed=3, device="cpu", ep_size=8)
+    assert idx.dtype == torch.int32 and idx.shape == (512, 8) and idx.is_contiguous()
+    assert w.dtype == torch.float32 and w.shape == (512, 8)
+    assert _distinct(idx) and int(idx.min()) >= 0 and int(idx.max()) < 128
+    torch.testing.assert_close(w.sum(1), torch.ones(512))
+    idx2, w2 = S.make_routing(kind, 512, 128, 8, seed=3, device="cpu", ep_size=8)
+    assert torch.equal(idx, idx2) and torch.equal(w, w2)
+    idx3, _ = S.make_routing(kind, 512, 128, 8, seed=4, device="cpu", ep_size=8)
+    assert not torch.equal(idx, idx3)
+
+
+def test_balanced_is_roughly_uniform():
+    idx, _ = S.balanced_routing(8192, 16, 8, seed=0, device="cpu")
+    load = S.expert_load(idx, 16).double()
+    assert load.sum() == 8192 * 8
+    assert float(load.max() / load.mean()) < 1.05
+
+
+def test_skewed_is_skewed():
+    idx, _ = S.skewed_routing(8192, 128, 8, seed=0, device="cpu")
+    assert _distinct(idx)
+    load = S.expert_load(idx, 128).double()
+    assert float(load.max() / load.mean()) > 8       # Zipf s=1.2: the top expert is hot
+    assert int(load.argmax()) == 0
+    assert float(load[:8].sum() / load.sum()) > 0.3  # head of the distribution
+    bal = S.expert_load(S.balanced_routing(8192, 128, 8, seed=0, device="cpu")[0], 128)
+    assert float(load.std()) > 5 * float(bal.double().std())
+
+
+def test_adversarial_hits_one_rank():
+    e, ep = 256, 8
+    for hot in (0, 5):
+        idx, _ = S.adversarial_routing(4096, e, 8, seed=1, device="cpu", ep_size=ep,
+                                       hot_rank=hot)
+        ranks = idx.long() // (e // ep)
+        assert bool((ranks == hot).all()) and _distinct(idx)
+        assert int(S.expert_load(idx, e)[hot * 32:(hot + 1) * 32].min()) > 0
+    # At EP = 1 every expert is on the one rank: adversarial is balanced.
+    a, _ = S.adversarial_routing(64, 16, 4, seed=2, device="cpu", ep_size=1)
+    b, _ = S.balanced_routing(64, 16, 4, seed=2, device="cpu")
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        S.adversarial_routing(64, 16, 4, device="cpu", ep_size=8)  # 2 experts per rank < K
+
+
+# ----------------------------------------------------------------------------------------
+# torch-unfused baseline
+# ----------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["grouped_mm", "loop"])
+def grouped_gemm_path(request, monkeypatch):
+    L._CPU_GROUPED_MM_OK.clear()
+    if request.param == "loop":
+        monkeypatch.setenv("MOK_BENCH_GROUPED_MM_LOOP", "1")
+    else:
+        monkeypatch.delenv("MOK_BENCH_GROUPED_MM_LOOP", raising=False)
+        if not L._cpu_grouped_mm_works(torch.bfloat16):
+            pytest.skip("torch._grouped_mm has no CPU kernel in this torch")
+    yield request.param
+    L._CPU_GROUPED_MM_OK.clear()
+
+
+def test_grouped_linear_matches_loop(grouped_gemm_path):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 32, generator=g).bfloat16()
+    w = torch.randn(3, 24, 32, generator=g).bfloat16()
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)  # an empty group
+    out = L.grouped_linear(a, w, offs)
+    want = torch.cat([a[:10].float() @ w[0].float().t(), a[10:].float() @ w[2].float().t()])
+    assert L.rel_l2(out, want) < 1e-2
+    assert L.grouped_mm_impl("cpu") == ("per-expert loop" if grouped_gemm_path == "loop"
+                                        else "torch._grouped_mm")
+    assert L.grouped_mm_impl("cuda") == "torch._grouped_mm"
+
+
+@pytest.mark.parametrize("shape_name", ["tiny", "tiny-noshared"])
+def test_torch_unfused_matches_reference(shape_name, grouped_gemm_path):
+    local = S.ep8_proxy(S.get_shape(shape_name))
+    weights = L.make_weights(local, "cpu", seed=0)
+    case = L.make_case(local, 96, "skewed", "cpu", seed=0)
+    ref = L.reference_outputs(case, weights, want_grads=True)
+    backend = L.TorchUnfusedBackend(weights, "cpu")
+    result = L.check_backend(backend, case, ref)
+    assert result["fwd_rel_l2"] < L.CHECK_TOL
+    assert result["bwd_rel_l2_max"] < L.CHECK_TOL, result["bwd_rel_l2"]
+    assert set(result["bwd_rel_l2"]) >= {"dx", "d_topk_w", "dw1", "dw2"}
+    assert all(t.grad is None for t in weights.leaves())  # the check leaves no gradients
+
+
+def test_torch_unfused_dropped_routes():
+    local = S.ep8_proxy(S.get_shape("tiny"))
+    w = L.make_weights(local, "cpu", seed=1)
+    case = L.make_case(local, 64, "balanced", "cpu", seed=1)
+    idx = case.topk_idx.clone()
+    idx[::3, 1] = -1
+    with torch.no_grad():
+        y = L.torch_unfused_moe(case.x, idx, case.topk_w, *w.tensors(), has_dropped_routes=True)
+        ref = moe_reference(case.x, idx, case.topk_w, *w.tensors())
+    assert L.rel_l2(y, ref) < L.CHECK_TOL
+
+
+def test_check_backend_flags_a_wrong_backend():
+    local = S.ep8_proxy(S.get_shape("tiny-noshared"))
+    weights = L.make_weights(local, "cpu")
+    case = L.make_case(local, 32, "balanced", "cpu")
+    ref = L.reference_outputs(case, weights, want_grads=False)
+
+    class Wrong(L.TorchUnfusedBackend):
+        def run(self, inp):
+            return super().run(inp) * 1.1
+
+    result = L.check_backend(Wrong(weights, "cpu"), case, ref)
+    assert result["fwd_rel_l2"] > L.CHECK_TOL
+    rec = L.make_record({}, S.get_shape("tiny-noshared"), local, 32, "balanced", "x", "fwd",
+                        100.0, times=[1.0], check=result)
+    assert rec["correct"] is False
+
+
+def test_check_tokens_resolution():
+    small = S.ep8_proxy(S.SHAPES["qwen3-30b-a3b"])
+    big = S.ep8_proxy(S.SHAPES["deepseek-v3"])
+    assert L.resolve_check_tokens("auto", small, 8192) == 8192
+    assert L.resolve_check_tokens("auto", big, 8192) == L.AUTO_CHECK_TOKENS
+    assert L.resolve_check_tokens("full", big, 8192) == 8192
+    assert L.resolve_check_tokens("256", big, 128) == 128
+
+
+# ----------------------------------------------------------------------------------------
+# Records, CLI, end to end on the CPU
+# ----------------------------------------------------------------------------------------
+
+def test_records_and_speedups():
+    shape = S.get_shape("deepseek-v3")
+    local = S.ep8_proxy(shape)
+    meta = {"gpu": "NVIDIA H200", "gpu_short": "h200", "torch": "2.11.0", "cuda": "13.0",
+            "git_commit": "abc", "git_dirty": False, "date": "2026-01-01"}
+    peak = 790.0
+    recs = [L.make_record(meta, shape, local, 8192, "balanced", b, "fwd", peak, times=t)
+            for b, t in (("mok", [8.0, 9.0, 10.0]), ("torch-unfused", [16.0]),
+                         ("megatron-alltoall", [24.0]))]
+    recs.append(L.make_record(meta, shape, local, 8192, "balanced", "mok", "bwd", peak,
+                              error="RuntimeError: boom"))
+    L.fill_speedups(recs)
+    mok = recs[0]
+    flops = 6 * 8192 * (8 * 2048 + 2048) * 7168
+    assert mok["ms"] == 9.0 and mok["flops"] == flops and mok["iters"] == 3
+    assert mok["tflops"] == pytest.approx(flops / 9e-3 / 1e12)
+    assert mok["frac_peak"] == pytest.approx(mok["tflops"] / peak)
+    assert mok["time_over_floor"] == pytest.approx(9.0 / (flops / (peak * 1e12) * 1e3))
+    assert mok["speedup"] == {"torch-unfused": pytest.approx(16 / 9),
+                              "megatron-alltoall": pytest.approx(24 / 9)}
+    assert recs[1]["speedup"] == {"megatron-alltoall": pytest.approx(1.5)}
+    assert recs[3]["ms"] is None and recs[3]["speedup"] == {} and recs[3]["error"]
+    for key in ("shape", "T", "routing", "backend", "pass", "correct", "ms", "tflops",
+                "frac_peak", "time_over_floor", "speedup", "git_commit", "torch", "cuda", "gpu"):
+        assert key in mok
+    assert json.loads(json.dumps(recs))  # serialisable
+
+
+def test_gpu_short_name():
+    assert L.gpu_short_name("NVIDIA H200") == "h200"
+    assert L.gpu_short_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert L.gpu_short_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert L.gpu_short_name("cpu") == "cpu"
+
+
+def test_cli_defaults_and_quick():
+    a = L.parse_args([])
+    assert a.shapes == list(S.SHAPES) and a.tokens == [4096, 8192]
+    assert a.routing == ["balanced"] and a.backends == list(L.BACKENDS)
+    assert a.passes == ["fwd", "bwd"] and (a.warmup, a.iters) == (20, 50)
+    assert a.mok_backend == "auto" and a.check_tokens == "auto"
+    q = L.parse_args(["--quick", "--shapes", "qwen3-30b-a3b", "--pass", "fwd"])
+    assert q.tokens == [4096] and q.iters < 50 and q.passes == ["fwd"]
+    with pytest.raises(SystemExit):
+        L.parse_args(["--backends", "nope"])
+
+
+def test_end_to_end_cpu_in_process(tmp_path):
+    """mok (reference backend on the CPU) and torch-unfused through the whole run loop."""
+    args = L.parse_args(["--device", "cpu", "--shapes", "tiny", "--tokens", "48",
+                         "--routing", "balanced,skewed", "--backends", "mok,torch-unfused",
+                         "--warmup", "0", "--iters", "2", "--out", str(tmp_path)])
+    path, records = L.run(args)
+    doc = json.loads(path.read_text())
+    assert doc["complete"] and path.name.endswith("-cpu-layer-ep1.json")
+    assert len(doc["records"]) == 2 * 2 * 2
+    assert all(r["correct"] and r["ms"] and not r["error"] for r in doc["records"])
+    mok = [r for r in doc["records"] if r["backend"] == "mok"]
+    assert all("torch-unfused" in r["speedup"] for r in mok)
+    assert mok[0]["info"]["mok_backend"] == "reference"
+
+
+def test_megatron_alltoall_cpu_subprocess(tmp_path):
+    """Megatron-Core's alltoall MoE layer (one gloo rank, CPU shims) against the reference,
+    in a fresh process: the CPU shims patch torch globally."""
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "benchmarks.layer", "--device", "cpu", "--shapes", "tiny",
+           "--tokens", "32", "--backends", "megatron-alltoall", "--warmup", "0",
+           "--iters", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    records = json.loads(path.read_text())["records"]
+    assert len(records) == 2
+    for r in records:
+        assert r["error"] is None and r["correct"], r
+        assert r["info"]["experts_module"] in ("SequentialMLP", "TEGroupedMLP")
+        assert r["info"]["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+
+
+# ----------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------
+
+def _synthetic_results(tmp_path: Path) -> Path:
+    meta = {"gpu": "NVIDIA H200", "gpu_short": "h200", "torch": "2.11.0+cu130", "cuda": "13.0",
+            "git_commit": "0123456789abcdef", "git_dirty": False, "date": "2026-01-02",
+            "peak_tflops": 788.0}
+    recs = []
+    for name, t in (("qwen3-30b-a3b", 8192), ("deepseek-v3", 8192)):
+        shape = S.get_shape(name)
+        local = S.ep8_proxy(shape)
+        for which, (m, tu, mg) in (("fwd", (1.0, 3.0, 4.0)), ("bwd", (2.0, 4.0, 8.0))):
+            for backend, ms in (("mok", m), ("torch-unfused", tu), ("megatron-alltoall", mg)):
+                check = {"fwd_rel_l2": 4e-3, "bwd_rel_l2_max": 5e-3, "finite": True}
+                recs.append(L.make_record(meta, shape, local, t, "balanced", backend, which,
+                                          788.0, times=[ms], check=check,
+                                          info={"mok_backend": "kernel"} if backend == "mok"
+                                          else {}))
+    L.fill_speedups(recs)
+    path = tmp_path / "results" / "2026-01-02-h200-layer-ep1.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"meta": meta, "records": recs}))
+    return path
+
+
+README_TEXT = """# project
+
+## Status
+
+| piece | state |
+|---|---|
+| a | b |
+
+Performance numbers appear here once the kernel backend lands (measured per
+`../shared/BENCHMARKS.md`, saved under `benchmarks/results/`).
+
+## Next section
+
+text
+"""
+
+
+def test_report_table_and_readme(tmp_path):
+    path = _synthetic_results(tmp_path)
+    assert R.latest_results(path.parent) == path
+    meta, records = R.load_results(path)
+    table = R.markdown_table(meta, records, source="benchmarks/results/x.json")
+    rows = [l for l in table.splitlines() if l.startswith("| ") and "---" not in l]
+    assert len(rows) == 1 + 4  # header + (2 shapes x fwd/bwd)
+    assert rows[1].startswith("| qwen3-30b-a3b | 8192 | balanced | fwd | 1.000 |")
+    assert "3.00×" in rows[1] and "4.00×" in rows[1] and rows[1].endswith("| ok |")
+    assert rows[2].startswith("| qwen3-30b-a3b | 8192 | balanced | bwd | 2.000 |")
+    assert "NVIDIA H200" in table and "`0123456789`" in table and "788" in table
+
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    R.update_readme(readme, table)
+    text = readme.read_text()
+    assert text.count(R.START) == 1 and text.count(R.END) == 1
+    status = text.index("## Status")
+    para = text.index("Performance numbers appear here")
+    assert status < para < text.index(R.START) < text.index(R.END) < text.index("## Next")
+    assert "| deepseek-v3 | 8192 | balanced | bwd | 2.000 |" in text
+    R.update_readme(readme, table)
+    assert readme.read_text() == text  # idempotent
+    R.update_readme(readme, "new table")
+    new = readme.read_text()
+    assert "new table" in new and "deepseek-v3" not in new and "## Next section" in new
+
+    console = R.console_table(records)
+    assert len(console.splitlines()) == 2 + 12 and "ok 4.0e-03" in console
+
+
+def test_report_cli_without_plot(tmp_path):
+    path = _synthetic_results(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    assert R.main([str(path), "--readme", str(readme), "--plots", str(tmp_path / "plots"),
+                   "--no-plot"]) == 0
+    assert R.START in readme.read_text()
+
+
+def test_report_marks_failures():
+    shape = S.get_shape("tiny")
+    local = S.ep8_proxy(shape)
+    bad = L.make_record({}, shape, local, 64, "balanced", "mok", "fwd", 1.0, times=[1.0],
+                        check={"fwd_rel_l2": 0.5, "finite": True})
+    ok = L.make_record({}, shape, local, 64, "balanced", "torch-unfused", "fwd", 1.0,
+                       times=[2.0], check={"fwd_rel_l2": 1e-3, "finite": True})
+    L.fill_speedups([bad, ok])
+    table = R.markdown_table({}, [bad, ok])
+    assert "FAIL mok" in table and "2.00×" in table
+
+
+def test_report_merges_runs(tmp_path):
+    first = _synthetic_results(tmp_path)
+    doc = json.loads(first.read_text())
+    doc["meta"]["peak_tflops"] = 780.0
+    doc["records"] = [r for r in doc["records"] if r["shape"] == "deepseek-v3"]
+    for r in doc["records"]:
+        r["ms"] = r["ms"] * 2
+    second = tmp_path / "results" / "2026-01-02-h200-layer-ep1-2.json"
+    second.write_text(json.dumps(doc))
+    meta, records = R.merge_results([first, second])
+    assert len(records) == 12 and meta["peak_tflops_range"] == [780.0, 788.0]
+    mok = {(r["shape"], r["pass"]): r["ms"] for r in records if r["backend"] == "mok"}
+    assert mok[("qwen3-30b-a3b", "fwd")] == 1.0 and mok[("deepseek-v3", "fwd")] == 2.0
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    assert R.main([str(first), str(second), "--readme", str(readme), "--no-plot"]) == 0
+    assert "780–788 TFLOP/s" in readme.read_text()

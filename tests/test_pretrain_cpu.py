@@ -1,0 +1,104 @@
+"""megatron_mok.pretrain_gpt end to end on the CPU: megatron-core's own training loop, gloo.
+
+Runs examples/train.sh with configs/tiny_gpt_moe.args for a few steps as a subprocess
+(CUDA hidden, so this is the CPU path on any machine) and checks the per-step lines:
+finite losses that go down. EP=2 runs two processes under torchrun and must follow the
+EP=1 loss curve closely (same data, same model, only the experts are split). About a
+minute on 2 cores while `megatron_mok.megatron.spec` (the mok layer spec) is absent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "tiny_gpt_moe.args"
+TRAIN_SH = REPO / "examples" / "train.sh"
+ITERS = 10
+STEP_RE = re.compile(
+    r"^\[megatron_mok\] step (\d+)/(\d+) \| lm loss (\S+) \| ([\d.]+) ms \| ([\d.]+) tokens/s$",
+    re.MULTILINE)
+
+_RUNS: dict = {}
+
+
+def _train(dispatcher: str, ep: int) -> list[float]:
+    """Losses of an ITERS-step run (cached per (dispatcher, ep) for the session)."""
+    key = (dispatcher, ep)
+    if key in _RUNS:
+        return _RUNS[key]
+    env = dict(os.environ)
+    env.update(
+        TORCH_COMPILE_DISABLE="1",
+        CUDA_VISIBLE_DEVICES="",  # the CPU path, even on a GPU machine
+        PYTHON=sys.executable,
+        NPROC=str(ep),
+    )
+    cmd = ["bash", str(TRAIN_SH), str(CONFIG), dispatcher,
+           "--train-iters", str(ITERS), "--expert-model-parallel-size", str(ep)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}"
+    steps = STEP_RE.findall(out)
+    assert [int(s[0]) for s in steps] == list(range(1, ITERS + 1)), out[-6000:]
+    assert all(int(s[1]) == ITERS for s in steps)
+    assert all(float(s[4]) > 0 for s in steps), "tokens/s must be positive"
+    losses = [float(s[2]) for s in steps]
+    _RUNS[key] = losses
+    return losses
+
+
+def _assert_trains(losses: list[float]) -> None:
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0] - 0.5, f"loss did not go down: {losses}"
+    decreasing = sum(b < a for a, b in zip(losses, losses[1:]))
+    assert decreasing >= 0.7 * (len(losses) - 1), f"loss is not mostly decreasing: {losses}"
+
+
+def test_default_flags_only_fill_gaps():
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from megatron_mok.pretrain_gpt import _default_flags
+
+    added = _default_flags(["--num-layers", "2"], on_cpu=True)
+    for flag in ("--distributed-backend", "--eval-interval", "--no-persist-layer-norm",
+                 "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"):
+        assert added.count(flag) == 1, (flag, added)
+    user = ["--eval-interval", "5", "--distributed-backend=gloo", "--no-persist-layer-norm"]
+    kept = _default_flags(user, on_cpu=True)
+    assert kept.count("--eval-interval") == 1 and "5" in kept
+    assert not any(a == "--distributed-backend" for a in kept)
+    assert kept.count("--no-persist-layer-norm") == 1
+
+
+def test_alltoall_ep1_trains():
+    _assert_trains(_train("alltoall", 1))
+
+
+def test_alltoall_ep2_trains_like_ep1():
+    ep2 = _train("alltoall", 2)
+    _assert_trains(ep2)
+    ep1 = _train("alltoall", 1)
+    worst = max(abs(a - b) for a, b in zip(ep1, ep2))
+    assert worst < 0.1, f"EP=2 diverges from EP=1 by {worst}:\n{ep1}\n{ep2}"
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_mok_trains(ep):
+    pytest.importorskip(
+        "megatron_mok.megatron.spec",
+        reason="megatron_mok.megatron.spec (the mok decoder block spec) is not written yet")
+    losses = _train("mok", ep)
+    _assert_trains(losses)
+    # Same data and model; only the expert weights' layout/init may differ from Megatron's.
+    ref = _train("alltoall", ep)
+    worst = max(abs(a - b) for a, b in zip(ref, losses))
+    assert worst < 0.25, f"mok diverges from alltoall (EP={ep}) by {worst}:\n{ref}\n{losses}"
