@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # One command for a GPU machine with the extension already built (megatron_mok/_C*.so):
-# installs megatron-core from .whl/ when it is missing, runs the GPU tests and the
-# tiny `mok` pretraining demo, and leaves logs under ${OUT:-gpu_out}/.
-# Usage: bash scripts/gpu_check.sh [pytest -k expression]
+# installs megatron-core from .whl/ when it is missing, runs the GPU tests, the tiny `mok`
+# pretraining demo and the EP=1 layer benchmark, prints a summary table and leaves logs and
+# the benchmark JSON under ${OUT:-gpu_out}/.
+#
+#   bash scripts/gpu_check.sh [pytest -k expression]
+#
+# Environment: GPU_TESTS=0 / DEMO=0 / BENCH=0 skip a part; BENCH_ARGS are passed to
+# `python -m benchmarks.layer` (e.g. "--shapes deepseek-v3 --tokens 4096");
+# BENCH_TIMEOUT (s) bounds the benchmark (it keeps what it measured when cut short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -15,16 +21,33 @@ if ! $PY -c "import megatron.core" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, megatron.core; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)" | tee -a "$OUT/gpu.txt"
+git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
 
 status=0
-$PY -m pytest -q -ra -m gpu tests ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-PYTHON=$PY bash examples/demo.sh > "$OUT/demo.log" 2>&1 || status=1
-grep -E "^step|tokens/s|error|Error" "$OUT/demo.log" | tail -25
+tests_line="skipped"; demo_line="skipped"; bench_line="skipped"
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  $PY -m pytest -q -ra -m gpu tests ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  tests_line=$(tail -1 "$OUT/pytest_gpu.log")
+fi
+if [ "${DEMO:-1}" = 1 ]; then
+  PYTHON=$PY bash examples/demo.sh > "$OUT/demo.log" 2>&1 || status=1
+  grep -F "[megatron_mok] step" "$OUT/demo.log" | tail -5
+  demo_line="$(grep -cF '[megatron_mok] step' "$OUT/demo.log") step lines; $(grep '^demo:' "$OUT/demo.log" | tail -1)"
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" $PY -m benchmarks.layer --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+    | tr '\r' '\n' | grep -v '^ *[0-9]*%|' > "$OUT/bench.log"
+  rc=${PIPESTATUS[0]}
+  tail -40 "$OUT/bench.log"
+  [ "$rc" -eq 0 ] || status=1
+  bench_line="exit $rc; $(ls "$OUT"/*layer*.json 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+fi
 
-printf '\n%-28s %s\n' "check" "result"
-printf '%-28s %s\n' "GPU tests" "$(tail -1 "$OUT/pytest_gpu.log")"
-printf '%-28s %s\n' "demo (mok, 20 steps)" "$(grep -c '^step' "$OUT/demo.log" 2>/dev/null) step lines"
+printf '\n%-24s %s\n' "check" "result"
+printf '%-24s %s\n' "GPU tests" "$tests_line"
+printf '%-24s %s\n' "demo (mok, 20 steps)" "$demo_line"
+printf '%-24s %s\n' "layer benchmark" "$bench_line"
 exit $status
