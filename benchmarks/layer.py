@@ -694,6 +694,8 @@ def run_metadata(device: torch.device, args) -> dict:
         "megatron_core": _version("megatron-core"),
         "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
         "git_commit": commit, "git_dirty": dirty,
+        # The tree's commit when the copy that runs has stale git metadata (device runs).
+        "source_commit": os.environ.get("MOK_SOURCE_COMMIT"),
         "argv": sys.argv[1:], "warmup": args.warmup, "iters": args.iters,
         "flush_bytes": FLUSH_BYTES if device.type == "cuda" else 0,
         "check_tol": CHECK_TOL, "weight_std": WEIGHT_STD, "seed": args.seed,

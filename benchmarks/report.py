@@ -141,6 +141,8 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
     commit = (meta.get("git_commit") or (records[0].get("git_commit") if records else None)
               or "?")[:10]
     dirty = "+dirty" if meta.get("git_dirty") else ""
+    if meta.get("source_commit"):  # the device copy's git metadata can lag the tree that ran
+        commit, dirty = meta["source_commit"][:10], ""
     peak = meta.get("peak_tflops") or (records[0].get("peak_tflops") if records else None)
     mok_backend = next((r["info"].get("mok_backend") for r in records
                         if r.get("backend") == SUBJECT and r.get("info")), None)

@@ -158,11 +158,12 @@ def _ep_rank_fn(rank, ep_size, out_dir, routing):
     g_inputs = make_moe_inputs(num_tokens=300 * ep_size, hidden=hidden, inter=inter,
                                num_local_experts=local * ep_size, topk=topk, shared_inter=256,
                                seed=31, drop_fraction=0.05)
-    config = KERNEL
+    config, ref_config = KERNEL, MoKConfig(backend="reference")
     if routing == "adversarial":  # every token to the experts of rank 0
         g_inputs["topk_idx"] = torch.arange(topk, dtype=torch.int32).repeat(300 * ep_size, 1)
         # Rank 0 receives every route of every rank: provision the row table for it.
         config = MoKConfig(backend="kernel", schedule_capacity_multiplier=1.0)
+        ref_config = MoKConfig(backend="reference", schedule_capacity_multiplier=1.0)
     tokens = slice(rank * 300, (rank + 1) * 300)
     experts = slice(rank * local, (rank + 1) * local)
     local_in = {"x": g_inputs["x"][tokens], "topk_idx": g_inputs["topk_idx"][tokens],
@@ -175,7 +176,7 @@ def _ep_rank_fn(rank, ep_size, out_dir, routing):
     y2, grads2 = _run(cuda_in, config, dy.bfloat16().cuda(), group=dist.group.WORLD)
     deterministic = torch.equal(y, y2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
     cpu_in = {k: v.contiguous() for k, v in local_in.items()}
-    y_ref, grads_ref = _run(cpu_in, MoKConfig(backend="reference"), dy.bfloat16(),
+    y_ref, grads_ref = _run(cpu_in, ref_config, dy.bfloat16(),
                             group=dist.group.WORLD)
     errors = {"y": rel_l2(y.cpu(), y_ref)}
     errors.update({k: rel_l2(grads[k].cpu(), grads_ref[k]) for k in grads})
