@@ -54,6 +54,16 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("push_rows(Tensor rows, Tensor peer_base, int dst_offset, Tensor peer_rank, "
         "Tensor peer_token, Tensor peer_k, Tensor num_rows, int topk, Tensor? scalars, "
         "int scalar_offset) -> ()");
+  // Grouped-GEMM core over the row table (csrc/gemm/). max_ctas > 0 caps the persistent
+  // grid (tests: results must not depend on it).
+  m.def("grouped_fc1_swiglu(Tensor x_rows, Tensor w1, Tensor expert_offsets, Tensor num_rows, "
+        "Tensor(a!) act, Tensor(b!)? h, int max_ctas) -> ()");
+  m.def("grouped_gemm_rows(Tensor a, Tensor w, Tensor expert_offsets, Tensor num_rows, "
+        "bool w_transposed, Tensor(a!) out, int max_ctas) -> ()");
+  m.def("grouped_dgrad_swiglu(Tensor d_out, Tensor w2, Tensor expert_offsets, Tensor num_rows, "
+        "Tensor h, Tensor(a!) d_h, int max_ctas) -> ()");
+  m.def("grouped_wgrad(Tensor a, Tensor b, Tensor expert_offsets, Tensor(a!) out, "
+        "int max_ctas) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

@@ -13,6 +13,11 @@ barrier -> dx = shared dx + sum_k slots in fp32.
 Launch shapes depend only on the workspace (capacity), never on the routing, so the
 pass is CUDA-graph capturable. The megakernel issues replace these launches one by
 one behind the same functions.
+
+Expert GEMMs run on our Hopper grouped-GEMM core (megatron_mok.grouped_gemm: fc1 with
+SwiGLU in the epilogue, fc2 dgrad with the SwiGLU backward in the epilogue, weight
+gradients with tokens as K). MOK_GEMM_CORE=torch selects the `torch._grouped_mm` path
+instead (side-by-side benchmarks); `gemm_core()` says which one runs.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-from megatron_mok import ops
+from megatron_mok import grouped_gemm, ops
 from megatron_mok.schedule import MoKSchedule
 from megatron_mok.workspace import MoKWorkspace
 
@@ -38,6 +45,20 @@ def gather_routing(ws: MoKWorkspace, topk_idx: torch.Tensor) -> torch.Tensor:
     out = torch.empty(ws.ep_size, ws.num_tokens, ws.topk, dtype=torch.int32, device=ws.device)
     ops.gather_from_peers(arena.peer_base, arena.offset("routing"), out)
     return out
+
+
+GEMM_CORES = ("mok", "torch")
+
+
+def gemm_core() -> str:
+    """"mok" (our grouped-GEMM core, the default when built) or "torch" (_grouped_mm)."""
+    core = os.environ.get("MOK_GEMM_CORE", "mok")
+    if core not in GEMM_CORES:
+        raise ValueError(f"megatron_mok: MOK_GEMM_CORE must be one of {GEMM_CORES}, got {core!r}")
+    if core == "mok" and not grouped_gemm.available():
+        raise RuntimeError("megatron_mok: the extension was built without the grouped-GEMM "
+                           "core; rebuild it or set MOK_GEMM_CORE=torch")
+    return core
 
 
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -90,9 +111,15 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     offs = sched.expert_offsets[1:]
     x_rows = x.new_empty(ws.capacity, hidden)
     ops.pull_rows(arena.peer_base, arena.offset("x"), sched, topk, x_rows)
-    h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
-    act = _swiglu(h)
-    y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    if gemm_core() == "mok":
+        w1, w2 = w1.contiguous(), w2.contiguous()
+        act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
+                                         save_h=keep_ctx)
+        y_rows = grouped_gemm.rows_matmul(act, w2, sched.expert_offsets, sched.num_rows)
+    else:
+        h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
+        act = _swiglu(h)
+        y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
     ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, topk)
     arena.barrier()
     slots = arena.view("slots").view(num_tokens, topk, hidden)
@@ -120,14 +147,25 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
     ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out,
                   w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
-    d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
-    d_h = _swiglu_backward(saved.h, d_act)
-    dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
+    core = gemm_core()
+    if core == "mok":
+        d_h = grouped_gemm.dgrad_swiglu(d_out, saved.w2, saved.h, sched.expert_offsets,
+                                        sched.num_rows)
+        dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
+                                           w_transposed=True)
+    else:
+        d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
+        d_h = _swiglu_backward(saved.h, d_act)
+        dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
     ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk, scalars=dots,
                   scalar_offset=arena.offset("d_topk_w"))
     # Weight gradients: tokens are K, in row-table order; one GEMM owns each output tile.
-    dw2 = torch._grouped_mm(d_out.t(), saved.act, offs=offs)
-    dw1 = torch._grouped_mm(d_h.t(), saved.x_rows, offs=offs)
+    if core == "mok":
+        dw2 = grouped_gemm.wgrad(d_out, saved.act, sched.expert_offsets)
+        dw1 = grouped_gemm.wgrad(d_h, saved.x_rows, sched.expert_offsets)
+    else:
+        dw2 = torch._grouped_mm(d_out.t(), saved.act, offs=offs)
+        dw1 = torch._grouped_mm(d_h.t(), saved.x_rows, offs=offs)
     arena.barrier()
     routed = saved.topk_idx >= 0
     slots = arena.view("slots").view(num_tokens, topk, hidden)

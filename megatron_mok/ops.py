@@ -31,8 +31,11 @@ if _C is not None:
         return slots.new_empty(slots.shape[0], slots.shape[2])
 
     # The communication ops only write into their (a!) arguments.
-    for _name in ("ep_barrier", "gather_from_peers", "pull_rows", "push_rows"):
-        torch.library.register_fake(f"megatron_mok::{_name}")(lambda *args, **kwargs: None)
+    for _name in ("ep_barrier", "gather_from_peers", "pull_rows", "push_rows",
+                  "grouped_fc1_swiglu", "grouped_gemm_rows", "grouped_dgrad_swiglu",
+                  "grouped_wgrad"):
+        if hasattr(torch.ops.megatron_mok, _name):
+            torch.library.register_fake(f"megatron_mok::{_name}")(lambda *args, **kwargs: None)
 
 
 def combine_epilogue(slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,

@@ -1,0 +1,172 @@
+"""Grouped-GEMM core benchmark: our Hopper kernels (megatron_mok.grouped_gemm) vs the
+`torch._grouped_mm` path that GPU backend v1 used, side by side on the same row table.
+
+    python -m benchmarks.gemm [--shapes a,b] [--tokens 8192] [--routing balanced]
+        [--warmup 10] [--iters 30] [--out benchmarks/results]
+
+Per shape (ep8 proxy, see benchmarks/shapes.py) the routed rows are laid out as the MoE
+schedule does (experts in order, each padded to 128 rows; padding rows zero), and each
+stage is timed with CUDA events, L2 flushed before every iteration, median:
+
+  fwd    mok: fc1+SwiGLU (epilogue), fc2        torch: grouped_mm fc1, SwiGLU, grouped_mm fc2
+  dgrad  mok: fc2 dgrad+SwiGLU bwd, fc1 dgrad   torch: grouped_mm, SwiGLU bwd, grouped_mm
+  wgrad  mok: dW2, dW1 (tokens as K)            torch: grouped_mm 2d-2d on transposed views
+
+FLOPs count the useful rows only (padding excluded). The dense BF16 peak (8192^3 torch.mm)
+is measured in the same run. Outputs of the two paths are compared (relative L2).
+Results: benchmarks/results/<date>-<gpu>-gemm-core.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import shapes as S
+from benchmarks.layer import (FLUSH_BYTES, REPO, Timer, measure_dense_peak, rel_l2,
+                              run_metadata)
+from megatron_mok import grouped_gemm as gg
+from megatron_mok.schedule import build_row_table
+
+STAGES = ("fwd", "dgrad", "wgrad")
+
+
+def row_table(local: S.LocalShape, num_tokens: int, routing: str, device):
+    idx, _ = S.make_routing(routing, num_tokens, local.num_local_experts, local.topk, seed=0,
+                            device=device)
+    routes = num_tokens * local.topk
+    capacity = -(-(routes + local.num_local_experts * 127) // 128) * 128
+    sched = build_row_table(idx.unsqueeze(0).int(), 0, local.num_local_experts, capacity,
+                            local.num_local_experts)
+    return sched, capacity, routes
+
+
+def make_case(local: S.LocalShape, num_tokens: int, routing: str, device):
+    sched, capacity, routes = row_table(local, num_tokens, routing, device)
+    H, I, E = local.hidden, local.inter, local.num_local_experts
+    real = (sched.peer_rank >= 0).unsqueeze(1)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rows(cols):
+        return (torch.randn(capacity, cols, generator=gen, device=device) * real).bfloat16()
+
+    def weight(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) * shape[-1] ** -0.5).bfloat16()
+
+    return dict(sched=sched, routes=routes, x=rows(H), d_out=rows(H), w1=weight(E, 2 * I, H),
+                w2=weight(E, H, I))
+
+
+def swiglu(h):
+    gate, up = h.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(h.dtype)
+
+
+def swiglu_bwd(h, d_act):
+    gate, up = h.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    d = d_act.float()
+    return torch.cat([d * up * sig * (1 + gate * (1 - sig)), d * gate * sig], -1).to(h.dtype)
+
+
+def stage_fns(c):
+    s = c["sched"]
+    offs, offsets, num_rows = s.expert_offsets[1:], s.expert_offsets, s.num_rows
+    x, d_out, w1, w2 = c["x"], c["d_out"], c["w1"], c["w2"]
+    act_m, h_m = gg.fc1_swiglu(x, w1, offsets, num_rows)
+    h_t = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+    act_t = swiglu(h_t)
+    d_h_t = swiglu_bwd(h_t, torch._grouped_mm(d_out, w2, offs=offs))
+    return {
+        "fwd": {
+            "mok": lambda: gg.rows_matmul(gg.fc1_swiglu(x, w1, offsets, num_rows, save_h=False)[0],
+                                          w2, offsets, num_rows),
+            "torch": lambda: torch._grouped_mm(
+                swiglu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)), w2.transpose(1, 2),
+                offs=offs),
+        },
+        "dgrad": {
+            "mok": lambda: gg.rows_matmul(gg.dgrad_swiglu(d_out, w2, h_m, offsets, num_rows), w1,
+                                          offsets, num_rows, w_transposed=True),
+            "torch": lambda: torch._grouped_mm(
+                swiglu_bwd(h_t, torch._grouped_mm(d_out, w2, offs=offs)), w1, offs=offs),
+        },
+        "wgrad": {
+            "mok": lambda: (gg.wgrad(d_out, act_m, offsets), gg.wgrad(d_h_t, x, offsets)),
+            "torch": lambda: (torch._grouped_mm(d_out.t(), act_t, offs=offs),
+                              torch._grouped_mm(d_h_t.t(), x, offs=offs)),
+        },
+    }
+
+
+def stage_flops(local: S.LocalShape, routes: int, stage: str) -> float:
+    fc = 2.0 * routes * local.hidden * 3 * local.inter  # fc1 (2I) + fc2 (I)
+    return fc  # every stage does the same two GEMM shapes' worth of work
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="deepseek-v3,dsv4-pro,qwen3-30b-a3b,qwen3.5-like,"
+                                       "gpt-oss-120b,mixtral-8x7b")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--routing", default="balanced")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    meta = run_metadata(device, args)
+    meta["peak_tflops"] = peak = measure_dense_peak(device)
+    meta["benchmark"] = "gemm-core"
+    timer = Timer(device, FLUSH_BYTES)
+    records = []
+    print(f"dense BF16 peak {peak:.0f} TFLOP/s")
+    print(f"{'shape':14} {'stage':6} {'mok ms':>8} {'torch ms':>9} {'mok TF/s':>9} "
+          f"{'of peak':>8} {'speedup':>8} {'rel L2':>8}")
+    for name in args.shapes.split(","):
+        local = S.ep8_proxy(S.get_shape(name))
+        case = make_case(local, args.tokens, args.routing, device)
+        fns = stage_fns(case)
+        for stage in STAGES:
+            out_m, out_t = fns[stage]["mok"](), fns[stage]["torch"]()
+            if isinstance(out_m, torch.Tensor):
+                out_m, out_t = (out_m,), (out_t,)
+            used = int(case["sched"].num_rows.item())  # rows past it are not computed
+            err = max(rel_l2(a[:used].float() if stage != "wgrad" else a.float(),
+                             b[:used].float() if stage != "wgrad" else b.float())
+                      for a, b in zip(out_m, out_t))
+            del out_m, out_t
+            ms = {impl: statistics.median(timer.measure(lambda: None, lambda _: fn(),
+                                                        args.warmup, args.iters))
+                  for impl, fn in fns[stage].items()}
+            flops = stage_flops(local, case["routes"], stage)
+            rec = dict(shape=name, T=args.tokens, routing=args.routing, stage=stage,
+                       E_loc=local.num_local_experts, H=local.hidden, I=local.inter,
+                       K=local.topk, routes=case["routes"], flops=flops,
+                       mok_ms=ms["mok"], torch_ms=ms["torch"],
+                       mok_tflops=flops / ms["mok"] / 1e9, torch_tflops=flops / ms["torch"] / 1e9,
+                       speedup=ms["torch"] / ms["mok"], rel_l2_vs_torch=err)
+            rec["mok_frac_peak"] = rec["mok_tflops"] / peak
+            rec["torch_frac_peak"] = rec["torch_tflops"] / peak
+            records.append(rec)
+            print(f"{name:14} {stage:6} {ms['mok']:8.3f} {ms['torch']:9.3f} "
+                  f"{rec['mok_tflops']:9.0f} {rec['mok_frac_peak']:8.2f} "
+                  f"{rec['speedup']:7.2f}x {err:8.1e}", flush=True)
+        del case, fns
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{meta['date']}-{meta['gpu_short']}-gemm-core.json"
+    path.write_text(json.dumps({"benchmark": "gemm-core", "meta": meta, "records": records},
+                               indent=1))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

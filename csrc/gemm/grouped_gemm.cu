@@ -1,0 +1,219 @@
+// Host side of the grouped-GEMM core: TMA descriptors, launch shapes and the torch ops.
+// Every op writes into caller-provided outputs and reads the row count and the expert
+// offsets on the device, so nothing here synchronises with the host.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "gemm/grouped_gemm.cuh"
+
+namespace megatron_mok {
+namespace {
+
+using namespace cute;
+using gemm::Epi;
+using gemm::GemmConfig;
+using gemm::GemmParams;
+using gemm::Grouping;
+using gemm::bf16;
+
+// fc1 + SwiGLU: B = w1 viewed as (I, H, 2E) boxes (gate of e = 2e, up of e = 2e + 1).
+using CfgFc1SwiGLU = GemmConfig<true, true, Grouping::kRows, Epi::kSwiGLU, __nv_bfloat16>;
+// out = a @ w[e]^T, w [E, N, K] (fc2 forward).
+using CfgRowsNT = GemmConfig<true, true, Grouping::kRows, Epi::kStore, __nv_bfloat16>;
+// out = a @ w[e], w [E, K, N] (dgrad).
+using CfgRowsNN = GemmConfig<true, false, Grouping::kRows, Epi::kStore, __nv_bfloat16>;
+// d_h = SwiGLU'(h) * (d_out @ w2[e]), w2 [E, H, I] (fc2 dgrad fused with SwiGLU backward).
+using CfgDgradSwiGLU = GemmConfig<true, false, Grouping::kRows, Epi::kSwiGLUBwd, __nv_bfloat16>;
+// out[e] = a[rows of e]^T @ b[rows of e] (weight gradients), bf16 or fp32 output.
+using CfgWgradBf16 = GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, __nv_bfloat16>;
+using CfgWgradF32 = GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, float>;
+
+int num_sms(int device) {
+  static int cached[64] = {0};
+  if (cached[device] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cached[device] = n;
+  }
+  return cached[device];
+}
+
+const bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+
+template <class Cfg>
+void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, int a_rows,
+            int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
+            int b_q, int64_t max_ctas) {
+  if (p.num_tasks <= 0) return;
+  auto mA = make_tensor(make_gmem_ptr(as_bf16(a)), make_shape(a_rows, a_cols), stride_a);
+  auto mB = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(b_n, b_k, b_q), stride_b);
+  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, mA, typename Cfg::SmemLayoutA{}(_, _, 0),
+                             Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
+                             Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
+  auto kernel = &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b)>;
+  static bool attr_set = false;  // one per instantiation
+  if (!attr_set) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Cfg::kSmemBytes));
+    attr_set = true;
+  }
+  int grid = std::min(num_sms(a.get_device()), p.num_tasks);
+  if (max_ctas > 0) grid = std::min<int>(grid, int(max_ctas));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(
+      p, tma_a, tma_b, a_rows, a_cols, b_n, b_k, b_q);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_bf16_cuda(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.is_cuda(), "megatron_mok: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "megatron_mok: ", name, " must be bfloat16");
+  TORCH_CHECK(t.dim() == dim, "megatron_mok: ", name, " must have ", dim, " dimensions");
+  TORCH_CHECK(t.is_contiguous(), "megatron_mok: ", name, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "megatron_mok: ", name,
+              " must be 16-byte aligned");
+}
+
+GemmParams rows_params(const at::Tensor& offsets, const at::Tensor& num_rows, int64_t rows,
+                       int64_t n, int64_t k, int n_tile) {
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1,
+              "megatron_mok: expert_offsets must be a CUDA int32 vector");
+  TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
+              "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
+  TORCH_CHECK(rows % 128 == 0, "megatron_mok: the row table must hold a multiple of 128 rows");
+  TORCH_CHECK(n % 8 == 0 && k % 8 == 0, "megatron_mok: GEMM sizes must be multiples of 8");
+  GemmParams p{};
+  p.offsets = offsets.data_ptr<int>();
+  p.num_rows = num_rows.data_ptr<int>();
+  p.num_experts = int(offsets.numel() - 1);
+  p.rows_cap = int(rows);
+  p.N = int(n);
+  p.K = int(k);
+  p.m_tiles = int(rows / 128);
+  p.n_tiles = int((n + n_tile - 1) / n_tile);
+  p.num_tasks = p.m_tiles * p.n_tiles;
+  return p;
+}
+
+void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
+                             const at::Tensor& offsets, const at::Tensor& num_rows,
+                             const at::Tensor& act, const std::optional<at::Tensor>& h,
+                             int64_t max_ctas) {
+  check_bf16_cuda(x_rows, "x_rows", 2);
+  check_bf16_cuda(w1, "w1", 3);
+  check_bf16_cuda(act, "act", 2);
+  const int64_t R = x_rows.size(0), H = x_rows.size(1), E = w1.size(0), I = w1.size(1) / 2;
+  TORCH_CHECK(w1.size(1) == 2 * I && w1.size(2) == H, "megatron_mok: w1 must be [E, 2I, H]");
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
+  c10::cuda::CUDAGuard guard(x_rows.device());
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFc1SwiGLU::BN / 2);
+  p.out = act.data_ptr();
+  p.ldo = I;
+  if (h.has_value()) {
+    check_bf16_cuda(*h, "h", 2);
+    TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
+    p.h_out = reinterpret_cast<__nv_bfloat16*>(h->data_ptr());
+  }
+  launch<CfgFc1SwiGLU>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
+                       make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E), max_ctas);
+}
+
+void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offsets,
+                            const at::Tensor& num_rows, bool w_transposed, const at::Tensor& out,
+                            int64_t max_ctas) {
+  check_bf16_cuda(a, "a", 2);
+  check_bf16_cuda(w, "w", 3);
+  check_bf16_cuda(out, "out", 2);
+  const int64_t R = a.size(0), K = a.size(1), E = w.size(0);
+  // w_transposed: w is [E, K, N] and out = a @ w[e]; otherwise w is [E, N, K], out = a @ w[e]^T.
+  const int64_t N = w_transposed ? w.size(2) : w.size(1);
+  TORCH_CHECK((w_transposed ? w.size(1) : w.size(2)) == K,
+              "megatron_mok: w's reduction dimension must match a's columns");
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  TORCH_CHECK(out.size(0) == R && out.size(1) == N, "megatron_mok: out must be [rows, N]");
+  c10::cuda::CUDAGuard guard(a.device());
+  if (w_transposed) {
+    GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNN::BN);
+    p.out = out.data_ptr();
+    p.ldo = N;
+    launch<CfgRowsNN>(p, a, make_stride(K, _1{}), int(R), int(K), w,
+                      make_stride(_1{}, N, K * N), int(N), int(K), int(E), max_ctas);
+  } else {
+    GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNT::BN);
+    p.out = out.data_ptr();
+    p.ldo = N;
+    launch<CfgRowsNT>(p, a, make_stride(K, _1{}), int(R), int(K), w,
+                      make_stride(K, _1{}, N * K), int(N), int(K), int(E), max_ctas);
+  }
+}
+
+void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
+                               const at::Tensor& offsets, const at::Tensor& num_rows,
+                               const at::Tensor& h, const at::Tensor& d_h, int64_t max_ctas) {
+  check_bf16_cuda(d_out, "d_out", 2);
+  check_bf16_cuda(w2, "w2", 3);
+  check_bf16_cuda(h, "h", 2);
+  check_bf16_cuda(d_h, "d_h", 2);
+  const int64_t R = d_out.size(0), H = d_out.size(1), E = w2.size(0), I = w2.size(2);
+  TORCH_CHECK(w2.size(1) == H, "megatron_mok: w2 must be [E, H, I]");
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  TORCH_CHECK(h.size(0) == R && h.size(1) == 2 * I && d_h.sizes() == h.sizes(),
+              "megatron_mok: h and d_h must be [rows, 2I]");
+  c10::cuda::CUDAGuard guard(d_out.device());
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLU::BN);
+  p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
+  p.dh_out = reinterpret_cast<__nv_bfloat16*>(d_h.data_ptr());
+  launch<CfgDgradSwiGLU>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
+                         make_stride(_1{}, I, H * I), int(I), int(H), int(E), max_ctas);
+}
+
+void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
+                        const at::Tensor& out, int64_t max_ctas) {
+  check_bf16_cuda(a, "a", 2);
+  check_bf16_cuda(b, "b", 2);
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 3 &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "megatron_mok: out must be a contiguous CUDA [E, M, N] bf16 or fp32 tensor");
+  const int64_t R = a.size(0), M = a.size(1), N = b.size(1), E = out.size(0);
+  TORCH_CHECK(b.size(0) == R, "megatron_mok: a and b must have the same rows");
+  TORCH_CHECK(out.size(1) == M && out.size(2) == N, "megatron_mok: out must be [E, M, N]");
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.numel() == E + 1,
+              "megatron_mok: expert_offsets must be a CUDA int32 vector of E + 1 entries");
+  TORCH_CHECK(R % 128 == 0 && M % 8 == 0 && N % 8 == 0,
+              "megatron_mok: rows must be a multiple of 128, M and N multiples of 8");
+  c10::cuda::CUDAGuard guard(a.device());
+  GemmParams p{};
+  p.offsets = offsets.data_ptr<int>();
+  p.num_rows = nullptr;
+  p.num_experts = int(E);
+  p.rows_cap = int(R);
+  p.M = int(M);
+  p.N = int(N);
+  p.K = int(R);
+  p.m_tiles = int((M + 127) / 128);
+  p.n_tiles = int((N + CfgWgradBf16::BN - 1) / CfgWgradBf16::BN);
+  p.num_tasks = int(E) * p.m_tiles * p.n_tiles;
+  p.out = out.data_ptr();
+  p.ldo = N;
+  if (out.scalar_type() == at::kFloat) {
+    launch<CfgWgradF32>(p, a, make_stride(_1{}, M), int(M), int(R), b, make_stride(_1{}, N, N * R),
+                        int(N), int(R), 1, max_ctas);
+  } else {
+    launch<CfgWgradBf16>(p, a, make_stride(_1{}, M), int(M), int(R), b,
+                         make_stride(_1{}, N, N * R), int(N), int(R), 1, max_ctas);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("grouped_fc1_swiglu", &grouped_fc1_swiglu_cuda);
+  m.impl("grouped_gemm_rows", &grouped_gemm_rows_cuda);
+  m.impl("grouped_dgrad_swiglu", &grouped_dgrad_swiglu_cuda);
+  m.impl("grouped_wgrad", &grouped_wgrad_cuda);
+}
+
+}  // namespace megatron_mok

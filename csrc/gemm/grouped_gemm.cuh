@@ -1,0 +1,340 @@
+// Hopper grouped-GEMM core (sm_90a): a persistent, warp-specialised tile kernel over the
+// row table of the MoE schedule.
+//
+//   CTA = 3 warpgroups: WG0 is the producer (one thread issues TMA loads into a
+//   kStages-deep shared-memory ring guarded by full/empty mbarriers), WG1 and WG2 are
+//   consumers (each runs 64 x BN WGMMAs on its half of the 128-row tile, then the
+//   epilogue straight from the accumulators). setmaxnreg moves registers from the
+//   producer to the consumers.
+//
+//   Tile tasks come in a fixed order; CTA b takes tasks b, b + grid, ... Each output
+//   tile has exactly one owner and a fixed K order (no split-K), so the result is
+//   bitwise independent of the grid size and the task order.
+//
+// Two groupings:
+//   kRows       D[rows of expert e] = A[rows of e] @ B_e   (fc1, fc2, dgrads). The row
+//               table pads every expert segment to 128 rows, so an M tile never straddles
+//               two experts; tiles past the device-side row count are skipped.
+//   kTokensAsK  D_e = A[rows of e]^T @ B[rows of e]        (weight gradients). Tokens are
+//               the K dimension, walked in row-table order; an expert with no rows gets
+//               zeros.
+//
+// Epilogues: kStore (D = acc), kSwiGLU (B tile = gate rows + matching up rows, writes
+// act = silu(gate) * up and optionally h = [gate, up] in bf16), kSwiGLUBwd (acc = d_act;
+// reads h, writes d_h = [d_gate, d_up]).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+
+namespace megatron_mok::gemm {
+
+using namespace cute;
+using bf16 = cute::bfloat16_t;
+
+enum class Grouping { kRows, kTokensAsK };
+enum class Epi { kStore, kSwiGLU, kSwiGLUBwd };
+
+template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kBN = 256,
+          int kStages = 4>
+struct GemmConfig {
+  static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages;
+  static constexpr Grouping group = kGroup;
+  static constexpr Epi epi = kEpi;
+  static constexpr int kSplit = kEpi == Epi::kSwiGLU ? 2 : 1;  // B boxes per tile
+  static constexpr int kThreads = 384;
+  using Out = OutT;
+
+  static constexpr GMMA::Major MajorA = kAKMajor ? GMMA::Major::K : GMMA::Major::MN;
+  static constexpr GMMA::Major MajorB = kBKMajor ? GMMA::Major::K : GMMA::Major::MN;
+  using AtomA = std::conditional_t<kAKMajor, GMMA::Layout_K_SW128_Atom<bf16>,
+                                   GMMA::Layout_MN_SW128_Atom<bf16>>;
+  using AtomB = std::conditional_t<kBKMajor, GMMA::Layout_K_SW128_Atom<bf16>,
+                                   GMMA::Layout_MN_SW128_Atom<bf16>>;
+  // MN-major operands tile K before MN, so that one TMA box (64 MN x 64 K, 128B swizzle)
+  // lands as a contiguous 8 KB block instead of 1 KB atoms.
+  using StepA = std::conditional_t<kAKMajor, Step<_1, _2, _3>, Step<_2, _1, _3>>;
+  using StepB = std::conditional_t<kBKMajor, Step<_1, _2, _3>, Step<_2, _1, _3>>;
+  using SmemLayoutA =
+      decltype(tile_to_shape(AtomA{}, Shape<Int<BM>, Int<BK>, Int<Stages>>{}, StepA{}));
+  using SmemLayoutB =
+      decltype(tile_to_shape(AtomB{}, Shape<Int<BN>, Int<BK>, Int<Stages>>{}, StepB{}));
+  // The same B memory as kSplit boxes per stage (gate rows, then up rows): box q = s*kSplit+h.
+  using SmemLayoutBBox = decltype(tile_to_shape(
+      AtomB{}, Shape<Int<BN / kSplit>, Int<BK>, Int<Stages * kSplit>>{}, StepB{}));
+  static_assert(kSplit == 1 || kBKMajor, "split B boxes need a K-major B");
+
+  using MmaOp = decltype(GMMA::ss_op_selector<bf16, bf16, float, Shape<_64, Int<BN>, Int<BK>>,
+                                              MajorA, MajorB>());
+  using TiledMma = decltype(make_tiled_mma(MmaOp{}, Layout<Shape<_2, _1, _1>>{}));
+
+  using StrideA = std::conditional_t<kAKMajor, Stride<int64_t, _1>, Stride<_1, int64_t>>;
+  using StrideB = std::conditional_t<kBKMajor, Stride<int64_t, _1, int64_t>,
+                                     Stride<_1, int64_t, int64_t>>;
+
+  static constexpr int kTxBytes = (BM * BK + BN * BK) * int(sizeof(bf16));
+  struct SharedStorage {
+    alignas(1024) bf16 a[cosize_v<SmemLayoutA>];
+    alignas(1024) bf16 b[cosize_v<SmemLayoutB>];
+    alignas(8) uint64_t full[Stages];
+    alignas(8) uint64_t empty[Stages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+struct GemmParams {
+  const int* offsets;     // [num_experts + 1] padded segment starts (row table)
+  const int* num_rows;    // [1] rows in use (device); nullptr: all
+  int num_experts;
+  int rows_cap;           // rows of the row table (capacity)
+  int M, N, K;            // kRows: M unused (rows), N = output columns of B (I for SwiGLU)
+  int m_tiles, n_tiles, num_tasks;
+  void* out;              // kRows: [rows, ldo]; kTokensAsK: [E, M, N]
+  int64_t ldo;
+  __nv_bfloat16* h_out;   // kSwiGLU: optional [rows, 2N] pre-activations
+  const __nv_bfloat16* h_in;  // kSwiGLUBwd: [rows, 2N]
+  __nv_bfloat16* dh_out;  // kSwiGLUBwd: [rows, 2N]
+};
+
+__device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
+  // Last e with offsets[e] <= row; empty experts (equal offsets) are skipped over.
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offsets + mid) <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct Task {
+  int m_tile, n_tile, expert, k_begin, k_end;  // k in BK tiles
+  bool skip;
+};
+
+template <class Cfg>
+__device__ __forceinline__ Task decode_task(const GemmParams& p, int t) {
+  Task task;
+  if constexpr (Cfg::group == Grouping::kRows) {
+    task.m_tile = t / p.n_tiles;
+    task.n_tile = t % p.n_tiles;
+    const int rows = p.num_rows ? min(__ldg(p.num_rows), p.rows_cap) : p.rows_cap;
+    const int m0 = task.m_tile * Cfg::BM;
+    task.skip = m0 >= rows;
+    task.expert = task.skip ? 0 : expert_of_row(p.offsets, p.num_experts, m0);
+    task.k_begin = 0;
+    task.k_end = (p.K + Cfg::BK - 1) / Cfg::BK;
+  } else {
+    const int per_expert = p.m_tiles * p.n_tiles;
+    task.expert = t / per_expert;
+    const int r = t % per_expert;
+    task.m_tile = r / p.n_tiles;
+    task.n_tile = r % p.n_tiles;
+    const int lo = min(__ldg(p.offsets + task.expert), p.rows_cap);
+    const int hi = min(__ldg(p.offsets + task.expert + 1), p.rows_cap);
+    task.k_begin = lo / Cfg::BK;  // segments start on 128-row boundaries
+    task.k_end = (hi + Cfg::BK - 1) / Cfg::BK;
+    task.skip = false;
+  }
+  return task;
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
+
+template <class T>
+__device__ __forceinline__ void store_pair(T* ptr, float a, float b, bool both);
+
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* ptr, float a, float b,
+                                                          bool both) {
+  if (both) *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(a, b);
+  else *ptr = __float2bfloat16_rn(a);
+}
+
+template <>
+__device__ __forceinline__ void store_pair<float>(float* ptr, float a, float b, bool both) {
+  if (both) *reinterpret_cast<float2*>(ptr) = make_float2(a, b);
+  else *ptr = a;
+}
+
+template <class Cfg, class TmaA, class TmaB>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ TmaA tma_a,
+                    const __grid_constant__ TmaB tma_b, int a_rows, int a_cols, int b_n, int b_k,
+                    int b_q) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cute;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, S = Cfg::Stages;
+  constexpr int kSplit = Cfg::kSplit, BNh = BN / kSplit;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutB{});
+  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+    for (int s = 0; s < S; ++s) {
+      FullBar::init(&smem.full[s], 1);
+      EmptyBar::init(&smem.empty[s], 256);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---------------- producer: one thread feeds the ring ----------------
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    Tensor mA = tma_a.get_tma_tensor(make_shape(a_rows, a_cols));   // (M, K)
+    Tensor mB = tma_b.get_tma_tensor(make_shape(b_n, b_k, b_q));    // (N, K, Q)
+    int stage = 0, phase = 0;
+    for (int t = blockIdx.x; t < p.num_tasks; t += gridDim.x) {
+      const Task task = decode_task<Cfg>(p, t);
+      if (task.skip || task.k_begin >= task.k_end) continue;
+      Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
+      auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                        group_modes<0, 2>(gA));
+      for (int k = task.k_begin; k < task.k_end; ++k) {
+        EmptyBar::wait(&smem.empty[stage], phase ^ 1);
+        FullBar::arrive_and_expect_tx(&smem.full[stage], Cfg::kTxBytes);
+        copy(tma_a.with(smem.full[stage]), tAgA(_, k), tAsA(_, stage));
+        CUTE_UNROLL
+        for (int h = 0; h < kSplit; ++h) {
+          const int q = Cfg::group == Grouping::kRows ? task.expert * kSplit + h : 0;
+          Tensor gB = local_tile(mB(_, _, q), Shape<Int<BNh>, Int<BK>>{},
+                                 make_coord(task.n_tile, _));
+          auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(sBbox), group_modes<0, 2>(gB));
+          copy(tma_b.with(smem.full[stage]), tBgB(_, k), tBsB(_, stage * kSplit + h));
+        }
+        if (++stage == S) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers: WGMMA + epilogue ----------------
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int ctid = threadIdx.x - 128;
+  typename Cfg::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(ctid);
+  Tensor tCsA = thr_mma.partition_A(sA);
+  Tensor tCsB = thr_mma.partition_B(sB);
+  Tensor tCrA = thr_mma.make_fragment_A(tCsA);  // (MMA, MMA_M, MMA_K, S) descriptors
+  Tensor tCrB = thr_mma.make_fragment_B(tCsB);
+  Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<BM>, Int<BN>>{});
+  Tensor tCcD = thr_mma.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+  constexpr int kAcc = decltype(size(accum))::value;
+
+  using Out = typename Cfg::Out;
+  int stage = 0, phase = 0;
+  for (int t = blockIdx.x; t < p.num_tasks; t += gridDim.x) {
+    const Task task = decode_task<Cfg>(p, t);
+    if (task.skip) continue;
+    const bool has_k = task.k_begin < task.k_end;
+    if (has_k) {
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(accum);
+      int prev = -1;
+      for (int k = task.k_begin; k < task.k_end; ++k) {
+        FullBar::wait(&smem.full[stage], phase);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
+        if (prev >= 0) EmptyBar::arrive(&smem.empty[prev]);
+        prev = stage;
+        if (++stage == S) { stage = 0; phase ^= 1; }
+      }
+      warpgroup_wait<0>();
+      EmptyBar::arrive(&smem.empty[prev]);
+      warpgroup_fence_operand(accum);
+    }
+
+    // ---------------- epilogue ----------------
+    const int m0 = task.m_tile * BM;
+    if constexpr (Cfg::epi == Epi::kStore) {
+      const int n0 = task.n_tile * BN;
+      Out* out = static_cast<Out*>(p.out);
+      int m_lim = p.rows_cap;
+      if constexpr (Cfg::group == Grouping::kTokensAsK) {
+        out += int64_t(task.expert) * p.M * p.N;
+        m_lim = p.M;
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < kAcc; i += 2) {
+        const int r = m0 + get<0>(tCcD(i)), c = n0 + get<1>(tCcD(i));
+        if (r < m_lim && c < p.N) {
+          const float a = has_k ? accum(i) : 0.f, b = has_k ? accum(i + 1) : 0.f;
+          store_pair<Out>(out + int64_t(r) * p.ldo + c, a, b, c + 1 < p.N);
+        }
+      }
+    } else if constexpr (Cfg::epi == Epi::kSwiGLU) {
+      // Columns [0, BN/2) of the tile are gate, [BN/2, BN) the matching up columns: in the
+      // WGMMA accumulator layout a thread holds both, kAcc/2 apart.
+      const int n0 = task.n_tile * BNh;
+      __nv_bfloat16* act = static_cast<__nv_bfloat16*>(p.out);
+      CUTE_UNROLL
+      for (int i = 0; i < kAcc / 2; i += 2) {
+        const int r = m0 + get<0>(tCcD(i)), c = n0 + get<1>(tCcD(i));
+        if (r < p.rows_cap && c < p.N) {
+          const bool both = c + 1 < p.N;
+          const float g0 = accum(i), g1 = accum(i + 1);
+          const float u0 = accum(i + kAcc / 2), u1 = accum(i + 1 + kAcc / 2);
+          store_pair(act + int64_t(r) * p.ldo + c, silu_f(g0) * u0, silu_f(g1) * u1, both);
+          if (p.h_out != nullptr) {
+            __nv_bfloat16* h = p.h_out + int64_t(r) * 2 * p.N;
+            store_pair(h + c, g0, g1, both);
+            store_pair(h + p.N + c, u0, u1, both);
+          }
+        }
+      }
+    } else {  // kSwiGLUBwd: acc = d_act
+      const int n0 = task.n_tile * BN;
+      CUTE_UNROLL
+      for (int i = 0; i < kAcc; i += 2) {
+        const int r = m0 + get<0>(tCcD(i)), c = n0 + get<1>(tCcD(i));
+        if (r < p.rows_cap && c < p.N) {
+          const bool both = c + 1 < p.N;
+          const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N;
+          float g[2], u[2], dg[2], du[2];
+          if (both) {
+            const float2 gg = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + c));
+            const float2 uu =
+                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N + c));
+            g[0] = gg.x; g[1] = gg.y; u[0] = uu.x; u[1] = uu.y;
+          } else {
+            g[0] = __bfloat162float(h[c]); u[0] = __bfloat162float(h[p.N + c]);
+            g[1] = u[1] = 0.f;
+          }
+          CUTE_UNROLL
+          for (int j = 0; j < 2; ++j) {
+            const float d = accum(i + j);
+            const float sig = 1.f / (1.f + __expf(-g[j]));
+            dg[j] = d * u[j] * sig * (1.f + g[j] * (1.f - sig));
+            du[j] = d * g[j] * sig;
+          }
+          __nv_bfloat16* dh = p.dh_out + int64_t(r) * 2 * p.N;
+          store_pair(dh + c, dg[0], dg[1], both);
+          store_pair(dh + p.N + c, du[0], du[1], both);
+        }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace megatron_mok::gemm

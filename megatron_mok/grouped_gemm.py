@@ -1,0 +1,158 @@
+"""The Hopper grouped-GEMM core (csrc/gemm/): expert GEMMs over the MoE row table.
+
+Rows are in row-table order: expert e owns rows [expert_offsets[e], expert_offsets[e+1]),
+each segment padded to 128 rows (a GEMM tile never straddles two experts); rows past the
+device-side `num_rows` are not computed. Weights keep Megatron's grouped-expert layout:
+w1 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]. All ops write into caller-given
+outputs, read the counts on the device and never synchronise with the host.
+
+    fc1_swiglu(x_rows, w1)        act = silu(x w1_g^T) * (x w1_u^T)   (+ h = [gate, up])
+    rows_matmul(a, w)             a @ w[e]^T  (w [E, N, K])   fc2 forward
+    rows_matmul(a, w, True)       a @ w[e]    (w [E, K, N])   fc1 dgrad
+    dgrad_swiglu(d_out, w2, h)    d_h = SwiGLU'(h) * (d_out @ w2[e])   fc2 dgrad + SwiGLU bwd
+    wgrad(a, b)                   out[e] = a[rows of e]^T @ b[rows of e]   weight gradients
+
+Each output tile has one owner CTA and a fixed K order, so results are bitwise
+independent of the grid size (`max_ctas`, tests) and deterministic run to run.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_mok import ops
+
+ROW_TILE = 128
+
+
+def available() -> bool:
+    return ops.extension_available() and hasattr(torch.ops.megatron_mok, "grouped_fc1_swiglu")
+
+
+def _check(name: str, t: torch.Tensor, dim: int, dtype=torch.bfloat16) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"megatron_mok: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"megatron_mok: {name} must be {dtype}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"megatron_mok: {name} must have {dim} dimensions, got {tuple(t.shape)}")
+
+
+def _check_cuda(**tensors: Optional[torch.Tensor]) -> None:
+    """After the shape checks: every tensor on one CUDA device, contiguous."""
+    device = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            raise ValueError(f"megatron_mok: {name} must be on a CUDA device, got {t.device}")
+        if device is not None and t.device != device:
+            raise ValueError(f"megatron_mok: {name} is on {t.device}, the other inputs on {device}")
+        device = t.device
+        if not t.is_contiguous():
+            raise ValueError(f"megatron_mok: {name} must be contiguous")
+
+
+def _check_table(rows: int, offsets: torch.Tensor, num_experts: int,
+                 num_rows: Optional[torch.Tensor]) -> None:
+    if rows % ROW_TILE:
+        raise ValueError(f"megatron_mok: the row table must hold a multiple of {ROW_TILE} rows, "
+                         f"got {rows}")
+    _check("expert_offsets", offsets, 1, torch.int32)
+    if offsets.numel() != num_experts + 1:
+        raise ValueError(f"megatron_mok: expert_offsets must have {num_experts + 1} entries "
+                         f"(experts + 1), got {offsets.numel()}")
+    if num_rows is not None:
+        _check("num_rows", num_rows, 1, torch.int32)
+
+
+def _check_multiple_of_8(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if value % 8:  # TMA: 16-byte aligned rows
+            raise ValueError(f"megatron_mok: {name}={value} must be a multiple of 8 for the "
+                             f"grouped-GEMM core")
+
+
+def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
+               num_rows: torch.Tensor, *, save_h: bool = True, max_ctas: int = 0
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(act [rows, I], h [rows, 2I] or None): fc1 with SwiGLU in the epilogue (fp32, one
+    rounding of act); h is the bf16 pre-activation the backward needs."""
+    _check("x_rows", x_rows, 2)
+    _check("w1", w1, 3)
+    rows, hidden = x_rows.shape
+    if w1.shape[2] != hidden or w1.shape[1] % 2:
+        raise ValueError(f"megatron_mok: w1 must be [E, 2I, {hidden}], got {tuple(w1.shape)}")
+    inter = w1.shape[1] // 2
+    _check_table(rows, expert_offsets, w1.shape[0], num_rows)
+    _check_multiple_of_8(hidden=hidden, inter=inter)
+    _check_cuda(x_rows=x_rows, w1=w1, expert_offsets=expert_offsets, num_rows=num_rows)
+    act = x_rows.new_empty(rows, inter)
+    h = x_rows.new_empty(rows, 2 * inter) if save_h else None
+    torch.ops.megatron_mok.grouped_fc1_swiglu(x_rows, w1, expert_offsets, num_rows, act, h,
+                                              max_ctas)
+    return act, h
+
+
+def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
+                num_rows: torch.Tensor, w_transposed: bool = False, *, max_ctas: int = 0
+                ) -> torch.Tensor:
+    """a @ w[e]^T (w [E, N, K]) or, with w_transposed, a @ w[e] (w [E, K, N]), per segment."""
+    _check("a", a, 2)
+    _check("w", w, 3)
+    rows, k = a.shape
+    n = w.shape[2] if w_transposed else w.shape[1]
+    if (w.shape[1] if w_transposed else w.shape[2]) != k:
+        raise ValueError(f"megatron_mok: w {tuple(w.shape)} does not reduce over a's {k} columns")
+    _check_table(rows, expert_offsets, w.shape[0], num_rows)
+    _check_multiple_of_8(n=n, k=k)
+    _check_cuda(a=a, w=w, expert_offsets=expert_offsets, num_rows=num_rows)
+    out = a.new_empty(rows, n)
+    torch.ops.megatron_mok.grouped_gemm_rows(a, w, expert_offsets, num_rows, w_transposed, out,
+                                             max_ctas)
+    return out
+
+
+def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
+                 expert_offsets: torch.Tensor, num_rows: torch.Tensor, *, max_ctas: int = 0
+                 ) -> torch.Tensor:
+    """d_h [rows, 2I]: d_act = d_out @ w2[e] in fp32, then the SwiGLU backward at h."""
+    _check("d_out", d_out, 2)
+    _check("w2", w2, 3)
+    _check("h", h, 2)
+    rows, hidden = d_out.shape
+    inter = w2.shape[2]
+    if w2.shape[1] != hidden:
+        raise ValueError(f"megatron_mok: w2 must be [E, {hidden}, I], got {tuple(w2.shape)}")
+    if tuple(h.shape) != (rows, 2 * inter):
+        raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}], got {tuple(h.shape)}")
+    _check_table(rows, expert_offsets, w2.shape[0], num_rows)
+    _check_multiple_of_8(hidden=hidden, inter=inter)
+    _check_cuda(d_out=d_out, w2=w2, h=h, expert_offsets=expert_offsets, num_rows=num_rows)
+    d_h = torch.empty_like(h)
+    torch.ops.megatron_mok.grouped_dgrad_swiglu(d_out, w2, expert_offsets, num_rows, h, d_h,
+                                                max_ctas)
+    return d_h
+
+
+def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+          out_dtype: torch.dtype = torch.bfloat16, max_ctas: int = 0) -> torch.Tensor:
+    """out [E, M, N], out[e] = a[rows of e]^T @ b[rows of e] (tokens as K, row-table order;
+    an expert without rows gets zeros)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"megatron_mok: wgrad out_dtype must be bfloat16 or float32, "
+                        f"got {out_dtype}")
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"megatron_mok: a and b must have the same rows, got {a.shape[0]} "
+                         f"and {b.shape[0]}")
+    _check("a", a, 2)
+    _check("b", b, 2)
+    num_experts = expert_offsets.numel() - 1
+    _check_table(a.shape[0], expert_offsets, num_experts, None)
+    _check_multiple_of_8(m=a.shape[1], n=b.shape[1])
+    _check_cuda(a=a, b=b, expert_offsets=expert_offsets)
+    out = a.new_empty(num_experts, a.shape[1], b.shape[1], dtype=out_dtype)
+    torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, max_ctas)
+    return out

@@ -1,0 +1,203 @@
+"""The Hopper grouped-GEMM core (megatron_mok.grouped_gemm) against fp32 per-expert GEMMs:
+fc1 + SwiGLU, fc2, fc2 dgrad + SwiGLU backward, fc1 dgrad, weight gradients; tails in
+every dimension, empty experts, rows past num_rows; bitwise independence of the grid
+size. Input validation runs on the CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_mok import grouped_gemm as gg
+from moe_inputs import rel_l2
+
+TOL = 1e-2
+
+
+def _row_table(counts, extra_tiles=2, device="cuda"):
+    """Offsets of segments padded to 128 rows, the rows in use and a row mask of real rows."""
+    padded = [-(-c // 128) * 128 for c in counts]
+    offsets = [0]
+    for p in padded:
+        offsets.append(offsets[-1] + p)
+    capacity = offsets[-1] + extra_tiles * 128
+    real = torch.zeros(capacity, dtype=torch.bool)
+    for e, c in enumerate(counts):
+        real[offsets[e]:offsets[e] + c] = True
+    return (torch.tensor(offsets, dtype=torch.int32, device=device),
+            torch.tensor([offsets[-1]], dtype=torch.int32, device=device), capacity, real)
+
+
+def _rows(capacity, cols, real, seed, scale=1.0):
+    """bf16 rows with zeros in padding rows (as the dispatch writes them)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(capacity, cols, generator=g) * scale
+    a[~real] = 0
+    return a.bfloat16().cuda()
+
+
+def _weights(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16().cuda()
+
+
+def _segments(offsets):
+    o = offsets.tolist()
+    return [(e, o[e], o[e + 1]) for e in range(len(o) - 1)]
+
+
+COUNTS = {
+    "balanced": [256, 256, 256, 256],
+    "ragged": [1, 0, 300, 129, 0, 77],       # empty experts, sub-tile and multi-tile segments
+    "one-expert": [0, 0, 700, 0],
+}
+DIMS = [(256, 128), (320, 200), (2880, 2880)]  # (H, I): whole tiles and tails
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", DIMS)
+def test_forward_ops_match_fp32(routing, hidden, inter):
+    counts = COUNTS[routing]
+    offsets, num_rows, capacity, real = _row_table(counts)
+    E = len(counts)
+    x = _rows(capacity, hidden, real, seed=1)
+    w1 = _weights(E, 2 * inter, hidden, seed=2)
+    w2 = _weights(E, hidden, inter, seed=3)
+    act, h = gg.fc1_swiglu(x, w1, offsets, num_rows)
+    y = gg.rows_matmul(act, w2, offsets, num_rows)
+    for e, lo, hi in _segments(offsets):
+        if hi == lo:
+            continue
+        h_ref = x[lo:hi].float() @ w1[e].float().t()
+        gate, up = h_ref.chunk(2, dim=-1)
+        act_ref = F.silu(gate) * up
+        assert rel_l2(h[lo:hi].float(), h_ref) < TOL, e
+        assert rel_l2(act[lo:hi].float(), act_ref) < TOL, e
+        y_ref = act[lo:hi].float() @ w2[e].float().t()
+        assert rel_l2(y[lo:hi].float(), y_ref) < TOL, e
+        assert torch.all(act[lo:hi][~real[lo:hi].cuda()] == 0)  # padding rows stay zero
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", DIMS)
+def test_backward_ops_match_fp32(routing, hidden, inter):
+    counts = COUNTS[routing]
+    offsets, num_rows, capacity, real = _row_table(counts)
+    E = len(counts)
+    x = _rows(capacity, hidden, real, seed=4)
+    d_out = _rows(capacity, hidden, real, seed=5)
+    h = _rows(capacity, 2 * inter, real, seed=6, scale=2.0)
+    w1 = _weights(E, 2 * inter, hidden, seed=7)
+    w2 = _weights(E, hidden, inter, seed=8)
+    d_h = gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows)
+    dx = gg.rows_matmul(d_h, w1, offsets, num_rows, w_transposed=True)
+    gate, up = h.float().chunk(2, dim=-1)
+    act = (F.silu(gate) * up).bfloat16()
+    dw2 = gg.wgrad(d_out, act, offsets)
+    dw1 = gg.wgrad(d_h, x, offsets, out_dtype=torch.float32)
+    assert dw1.dtype == torch.float32 and dw2.dtype == torch.bfloat16
+    for e, lo, hi in _segments(offsets):
+        if hi == lo:  # an expert without rows has zero weight gradients
+            assert torch.all(dw1[e] == 0) and torch.all(dw2[e] == 0)
+            continue
+        d_act = d_out[lo:hi].float() @ w2[e].float()
+        g, u = gate[lo:hi], up[lo:hi]
+        sig = torch.sigmoid(g)
+        d_h_ref = torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=-1)
+        assert rel_l2(d_h[lo:hi].float(), d_h_ref) < TOL, e
+        assert rel_l2(dx[lo:hi].float(), d_h[lo:hi].float() @ w1[e].float()) < TOL, e
+        assert rel_l2(dw2[e].float(), d_out[lo:hi].float().t() @ act[lo:hi].float()) < TOL, e
+        assert rel_l2(dw1[e], d_h[lo:hi].float().t() @ x[lo:hi].float()) < TOL, e
+
+
+@pytest.mark.gpu
+def test_rows_past_num_rows_are_not_computed():
+    offsets, num_rows, capacity, real = _row_table([200, 60], extra_tiles=3)
+    x = _rows(capacity, 256, real, seed=9)
+    w2 = _weights(2, 128, 256, seed=10)
+    out = torch.full((capacity, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    torch.ops.megatron_mok.grouped_gemm_rows(x, w2, offsets, num_rows, False, out, 0)
+    used = int(num_rows.item())
+    assert torch.all(out[used:] == 7.0)
+    assert rel_l2(out[:200].float(), x[:200].float() @ w2[0].float().t()) < TOL
+
+
+@pytest.mark.gpu
+def test_bitwise_independent_of_grid_size_and_repeatable():
+    offsets, num_rows, capacity, real = _row_table(COUNTS["ragged"])
+    E, hidden, inter = 6, 320, 200
+    x = _rows(capacity, hidden, real, seed=11)
+    d_out = _rows(capacity, hidden, real, seed=12)
+    w1 = _weights(E, 2 * inter, hidden, seed=13)
+    w2 = _weights(E, hidden, inter, seed=14)
+
+    def run(max_ctas):
+        act, h = gg.fc1_swiglu(x, w1, offsets, num_rows, max_ctas=max_ctas)
+        y = gg.rows_matmul(act, w2, offsets, num_rows, max_ctas=max_ctas)
+        d_h = gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows, max_ctas=max_ctas)
+        dx = gg.rows_matmul(d_h, w1, offsets, num_rows, True, max_ctas=max_ctas)
+        dw1 = gg.wgrad(d_h, x, offsets, max_ctas=max_ctas)
+        dw2 = gg.wgrad(d_out, act, offsets, max_ctas=max_ctas)
+        used = int(num_rows.item())
+        return [t[:used] for t in (act, h, y, d_h, dx)] + [dw1, dw2]
+
+    base = run(0)
+    for max_ctas in (0, 1, 3, 17):
+        for a, b in zip(base, run(max_ctas)):
+            assert torch.equal(a, b), max_ctas
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_no_host_sync():
+    offsets, num_rows, capacity, real = _row_table(COUNTS["balanced"])
+    x = _rows(capacity, 256, real, seed=15)
+    w1 = _weights(4, 256, 256, seed=16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        act_eager, _ = gg.fc1_swiglu(x, w1, offsets, num_rows)
+        d_h = gg.dgrad_swiglu(x, w1[:, :, :128].contiguous(),
+                              torch.cat([act_eager, act_eager], 1), offsets, num_rows)
+        gg.wgrad(d_h, x, offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            act_graph, _ = gg.fc1_swiglu(x, w1, offsets, num_rows)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(act_graph, act_eager)
+
+
+# ----------------------------------------------------------------------- validation (CPU)
+
+def test_bad_inputs_raise_before_launch():
+    offsets = torch.tensor([0, 128], dtype=torch.int32)
+    num_rows = torch.tensor([128], dtype=torch.int32)
+    x = torch.zeros(128, 64, dtype=torch.bfloat16)
+    w1 = torch.zeros(1, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="x_rows must be torch.bfloat16"):
+        gg.fc1_swiglu(x.float(), w1, offsets, num_rows)
+    with pytest.raises(ValueError, match="w1 must have 3 dimensions"):
+        gg.fc1_swiglu(x, w1[0], offsets, num_rows)
+    with pytest.raises(ValueError, match=r"w1 must be \[E, 2I, 64\]"):
+        gg.fc1_swiglu(x, w1[:, :, :32].contiguous(), offsets, num_rows)
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        gg.fc1_swiglu(x[:100], w1, offsets, num_rows)
+    with pytest.raises(ValueError, match="expert_offsets must have 3 entries"):
+        gg.fc1_swiglu(x, torch.zeros(2, 64, 64, dtype=torch.bfloat16), offsets, num_rows)
+    with pytest.raises(ValueError, match="inter=20 must be a multiple of 8"):
+        gg.fc1_swiglu(x, torch.zeros(1, 40, 64, dtype=torch.bfloat16), offsets, num_rows)
+    with pytest.raises(ValueError, match="x_rows must be on a CUDA device"):
+        gg.fc1_swiglu(x, w1, offsets, num_rows)
+    with pytest.raises(ValueError, match="must be contiguous|CUDA device"):
+        gg.rows_matmul(x, w1.transpose(1, 2), offsets, num_rows)
+    with pytest.raises(TypeError, match="wgrad out_dtype"):
+        gg.wgrad(x, x, offsets, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="same rows"):
+        gg.wgrad(x, x[:64], offsets)
