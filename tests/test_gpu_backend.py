@@ -151,8 +151,19 @@ def test_overflow_flag_raises_at_check():
 
 # --- several ranks sharing the GPU --------------------------------------------------
 
+def _rank_device(rank: int) -> int:
+    """Ranks share GPU 0, or with MOK_TEST_GPU_PER_RANK=1 (multi-GPU machines) rank r
+    runs on GPU r."""
+    if os.environ.get("MOK_TEST_GPU_PER_RANK") == "1":
+        if torch.cuda.device_count() <= rank:
+            raise RuntimeError(f"MOK_TEST_GPU_PER_RANK=1 needs {rank + 1} GPUs, "
+                               f"found {torch.cuda.device_count()}")
+        return rank
+    return 0
+
+
 def _ep_rank_fn(rank, ep_size, out_dir, routing):
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(_rank_device(rank))
     import torch.distributed as dist
     hidden, inter, local, topk = 1024, 512, 4, 4
     g_inputs = make_moe_inputs(num_tokens=300 * ep_size, hidden=hidden, inter=inter,
@@ -172,8 +183,9 @@ def _ep_rank_fn(rank, ep_size, out_dir, routing):
                 "shared_w2": g_inputs["shared_w2"]}
     dy = torch.randn(300 * ep_size, hidden, generator=torch.Generator().manual_seed(32))[tokens]
     cuda_in = {k: v.contiguous().cuda() for k, v in local_in.items()}
-    y, grads = _run(cuda_in, config, dy.bfloat16().cuda(), group=dist.group.WORLD)
-    y2, grads2 = _run(cuda_in, config, dy.bfloat16().cuda(), group=dist.group.WORLD)
+    dy_cuda = dy.bfloat16().cuda()
+    y, grads = _run(cuda_in, config, dy_cuda, group=dist.group.WORLD)
+    y2, grads2 = _run(cuda_in, config, dy_cuda, group=dist.group.WORLD)
     deterministic = torch.equal(y, y2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
     cpu_in = {k: v.contiguous() for k, v in local_in.items()}
     y_ref, grads_ref = _run(cpu_in, ref_config, dy.bfloat16(),
