@@ -1,0 +1,80 @@
+"""Summarise `scripts/train_compare.sh` logs: loss curves and tokens/s of `mok` vs
+`alltoall`, and whether two `mok` runs gave identical losses.
+
+    python -m benchmarks.train_report LOG... [--out DIR]
+
+Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2}. Tokens/s is the
+median over steps after the first 5 (warm-up). Writes <date>-<gpu>-train-ep1.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+from pathlib import Path
+
+STEP = re.compile(r"\[megatron_mok\] step (\d+)/\d+ \| lm loss ([0-9.eE+-]+) \| ([0-9.]+) ms "
+                  r"\| ([0-9.]+) tokens/s")
+
+
+def parse(path: Path) -> dict:
+    steps = [(int(m[1]), float(m[2]), float(m[3]), float(m[4]))
+             for m in STEP.finditer(path.read_text(errors="replace"))]
+    return {"loss": [s[1] for s in steps], "ms": [s[2] for s in steps],
+            "tokens_per_s": [s[3] for s in steps]}
+
+
+def summarise(runs: dict) -> dict:
+    out = {}
+    for cfg, by_run in sorted(runs.items()):
+        entry = {"runs": by_run}
+        mok, a2a, mok2 = (by_run.get(k) for k in ("mok", "alltoall", "mok2"))
+
+        def tput(r):
+            tail = r["tokens_per_s"][5:] or r["tokens_per_s"]
+            return statistics.median(tail) if tail else None
+
+        if mok and a2a and mok["loss"] and a2a["loss"]:
+            n = min(len(mok["loss"]), len(a2a["loss"]))
+            entry["steps"] = n
+            entry["max_abs_loss_diff_vs_alltoall"] = max(
+                abs(a - b) for a, b in zip(mok["loss"][:n], a2a["loss"][:n]))
+            entry["final_loss"] = {"mok": mok["loss"][n - 1], "alltoall": a2a["loss"][n - 1]}
+            entry["tokens_per_s"] = {"mok": tput(mok), "alltoall": tput(a2a)}
+            if entry["tokens_per_s"]["alltoall"]:
+                entry["speedup"] = entry["tokens_per_s"]["mok"] / entry["tokens_per_s"]["alltoall"]
+        if mok and mok2 and mok["loss"]:
+            entry["mok_runs_identical"] = mok["loss"] == mok2["loss"]
+        out[cfg] = entry
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("logs", nargs="+")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    runs: dict = {}
+    for log in args.logs:
+        m = re.match(r"train_(.+)_(mok2|mok|alltoall)\.log$", os.path.basename(log))
+        if m:
+            runs.setdefault(m[1], {})[m[2]] = parse(Path(log))
+    summary = summarise(runs)
+    for cfg, e in summary.items():
+        print(cfg, {k: v for k, v in e.items() if k != "runs"})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{datetime.date.today().isoformat()}-h200-train-ep1.json"
+    path.write_text(json.dumps({"benchmark": "train-ep1",
+                                "source_commit": os.environ.get("MOK_SOURCE_COMMIT"),
+                                "configs": summary}, indent=1))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Megatron GPT-MoE training on one GPU, `mok` vs `alltoall` (EP=1), 50 steps each:
+# the tiny config and a 2-layer slice of Qwen3-30B-A3B, plus a second `mok` run of each
+# to check run-to-run identical losses. --deterministic-mode on every run. Logs under
+# ${OUT:-gpu_out}/train_*.log, summary JSON from `python -m benchmarks.train_report`.
+# Env: CONFIGS (default "tiny qwen3"), STEPS (50).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ! $PY -c "import megatron.core" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHON=$PY
+steps=${STEPS:-50}
+common=(--train-iters "$steps" --log-interval 1 --deterministic-mode --bf16)
+for cfg in ${CONFIGS:-tiny qwen3}; do
+  case $cfg in
+    tiny)  file=configs/tiny_gpt_moe.args; extra=() ;;
+    qwen3) file=configs/qwen3_30b_a3b.args
+           extra=(--num-layers 2 --expert-model-parallel-size 1 --global-batch-size 8
+                  --lr-warmup-iters 5 --num-workers 0) ;;
+  esac
+  for run in mok alltoall mok2; do
+    disp=${run%2}
+    timeout 240 bash examples/train.sh "$file" "$disp" "${common[@]}" "${extra[@]}" \
+      > "$OUT/train_${cfg}_${run}.log" 2>&1
+    echo "$cfg $run exit $?: $(grep -cF '[megatron_mok] step' "$OUT/train_${cfg}_${run}.log") steps"
+  done
+done
+$PY -m benchmarks.train_report "$OUT"/train_*.log --out "$OUT"
