@@ -16,6 +16,12 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVL
 (cuobjdump -sass megatron_mok/_C*.so | grep -oE "HGMMA\.[0-9x]+\.[A-Z0-9]+|UTMALDG\.[0-9A-Z.]+|USETMAXREG[.A-Z0-9]*|STL\.|LDL\." \
   | sort | uniq -c) > "$OUT/sass_ops.txt" 2>&1
 head -12 "$OUT/sass_ops.txt"
+# Smoke first: a hanging or faulting kernel must not eat the whole run.
+if ! timeout 60 $PY -m pytest -q -x tests/test_grouped_gemm.py -k "balanced and 256" \
+    > "$OUT/smoke_core.log" 2>&1; then
+  echo "core smoke FAILED (exit $?):"; grep -E "^E |Error|passed|failed" "$OUT/smoke_core.log" | head -20
+  export MOK_GEMM_CORE=torch SKIP_BENCH=1
+fi
 timeout 240 $PY -m pytest -q -ra tests/test_grouped_gemm.py 2>&1 > "$OUT/test_core.log"
 grep -E "^E .*(rel|assert|Error)|passed|failed" "$OUT/test_core.log" | head -30
 if [ "${SKIP_V1:-0}" != 1 ]; then
