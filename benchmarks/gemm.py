@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     device = torch.device("cuda")
     meta = run_metadata(device, args)

@@ -118,7 +118,11 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: 
     else:
         x_all, idx_all = xf, topk_idx
     flat_idx = idx_all.reshape(-1)
-    slots = xf.new_zeros(flat_idx.numel(), x.shape[1])
+    # Every input stays in the graph even when no route reaches this rank (or an expert):
+    # the backward's collectives then run on every rank, and unused experts get zero
+    # gradients rather than None. Adds exact zeros.
+    anchor = x_all[:0].sum() + (w1.float().sum() + w2.float().sum()) * 0
+    slots = xf.new_zeros(flat_idx.numel(), x.shape[1]) + anchor
     first_expert = ep_rank * num_local_experts
     for e in range(num_local_experts):
         # Routes to this expert in (rank, token, k) order.

@@ -15,16 +15,20 @@ from moe_inputs import make_moe_inputs, rel_l2
 T, H, I, E_LOC, K = 40, 32, 16, 3, 3
 
 
-def _global_inputs(ep_size, shared):
+def _global_inputs(ep_size, shared, routing="random"):
     """All ranks' tokens and all experts: rank r owns tokens [rT, (r+1)T) and experts
-    [r E_loc, (r+1) E_loc)."""
-    return make_moe_inputs(num_tokens=T * ep_size, hidden=H, inter=I,
-                           num_local_experts=E_LOC * ep_size, topk=K, seed=21,
-                           shared_inter=shared, drop_fraction=0.1)
+    [r E_loc, (r+1) E_loc). "adversarial": every route goes to rank 0's experts, so the
+    other ranks' experts get none (zero gradients, collectives still on every rank)."""
+    g = make_moe_inputs(num_tokens=T * ep_size, hidden=H, inter=I,
+                        num_local_experts=E_LOC * ep_size, topk=K, seed=21,
+                        shared_inter=shared, drop_fraction=0.1)
+    if routing == "adversarial":
+        g["topk_idx"] = torch.arange(K, dtype=torch.int32).repeat(T * ep_size, 1)
+    return g
 
 
-def _rank_fn(rank, ep_size, shared, out_dir):
-    g = _global_inputs(ep_size, shared)
+def _rank_fn(rank, ep_size, shared, routing, out_dir):
+    g = _global_inputs(ep_size, shared, routing)
     tokens = slice(rank * T, (rank + 1) * T)
     experts = slice(rank * E_LOC, (rank + 1) * E_LOC)
     local = {"x": g["x"][tokens], "topk_idx": g["topk_idx"][tokens],
@@ -41,10 +45,12 @@ def _rank_fn(rank, ep_size, shared, out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep_size, shared", [(2, None), (2, 8), (3, None)])
-def test_ep_matches_single_process(tmp_path, ep_size, shared):
-    run_distributed(_rank_fn, ep_size, shared, str(tmp_path))
-    g = _global_inputs(ep_size, shared)
+@pytest.mark.parametrize("ep_size, shared, routing", [(2, None, "random"), (2, 8, "random"),
+                                                      (3, None, "random"),
+                                                      (2, None, "adversarial")])
+def test_ep_matches_single_process(tmp_path, ep_size, shared, routing):
+    run_distributed(_rank_fn, ep_size, shared, routing, str(tmp_path))
+    g = _global_inputs(ep_size, shared, routing)
     leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in g.items()}
     y = reference.moe_reference(**leaves)
     y.backward(torch.randn(T * ep_size, H, generator=torch.Generator().manual_seed(22)).bfloat16())

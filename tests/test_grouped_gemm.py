@@ -171,7 +171,8 @@ def test_cuda_graph_capture_and_no_host_sync():
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(act_graph, act_eager)
+    used = int(num_rows.item())  # rows past num_rows are not computed (uninitialised)
+    assert torch.equal(act_graph[:used], act_eager[:used])
 
 
 # ----------------------------------------------------------------------- validation (CPU)
