@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -119,11 +120,16 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster", default=None, choices=("1", "2"),
+                   help="MOK_GEMM_CLUSTER for our kernels (default: the environment's, else 1)")
     args = p.parse_args(argv)
+    if args.cluster:
+        os.environ["MOK_GEMM_CLUSTER"] = args.cluster
     device = torch.device("cuda")
     meta = run_metadata(device, args)
     meta["peak_tflops"] = peak = measure_dense_peak(device)
     meta["benchmark"] = "gemm-core"
+    meta["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
     timer = Timer(device, FLUSH_BYTES)
     records = []
     print(f"dense BF16 peak {peak:.0f} TFLOP/s")
@@ -162,7 +168,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date']}-{meta['gpu_short']}-gemm-core.json"
+    suffix = "" if meta["gemm_cluster"] == "1" else f"-cluster{meta['gemm_cluster']}"
+    path = out / f"{meta['date']}-{meta['gpu_short']}-gemm-core{suffix}.json"
     path.write_text(json.dumps({"benchmark": "gemm-core", "meta": meta, "records": records},
                                indent=1))
     print(f"results: {path}")

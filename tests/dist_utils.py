@@ -20,6 +20,10 @@ def _entry(rank, world_size, port, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Every rank is done with its collectives before any rank tears gloo down: a rank
+        # closing its connections while a peer's gloo I/O thread still reads aborted the
+        # peer now and then (std::terminate in gloo, SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

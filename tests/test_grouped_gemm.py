@@ -13,6 +13,13 @@ from moe_inputs import rel_l2
 TOL = 1e-2
 
 
+@pytest.fixture(params=["1", "2"], ids=["cluster1", "cluster2"])
+def cluster(request, monkeypatch):
+    """MOK_GEMM_CLUSTER: 1 (default) or 2 (CTA pairs multicasting the A tile)."""
+    monkeypatch.setenv("MOK_GEMM_CLUSTER", request.param)
+    return request.param
+
+
 def _row_table(counts, extra_tiles=2, device="cuda"):
     """Offsets of segments padded to 128 rows, the rows in use and a row mask of real rows."""
     padded = [-(-c // 128) * 128 for c in counts]
@@ -56,7 +63,7 @@ DIMS = [(256, 128), (320, 200), (2880, 2880)]  # (H, I): whole tiles and tails
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", list(COUNTS))
 @pytest.mark.parametrize("hidden, inter", DIMS)
-def test_forward_ops_match_fp32(routing, hidden, inter):
+def test_forward_ops_match_fp32(routing, hidden, inter, cluster):
     counts = COUNTS[routing]
     offsets, num_rows, capacity, real = _row_table(counts)
     E = len(counts)
@@ -81,7 +88,7 @@ def test_forward_ops_match_fp32(routing, hidden, inter):
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", list(COUNTS))
 @pytest.mark.parametrize("hidden, inter", DIMS)
-def test_backward_ops_match_fp32(routing, hidden, inter):
+def test_backward_ops_match_fp32(routing, hidden, inter, cluster):
     counts = COUNTS[routing]
     offsets, num_rows, capacity, real = _row_table(counts)
     E = len(counts)
@@ -112,7 +119,7 @@ def test_backward_ops_match_fp32(routing, hidden, inter):
 
 
 @pytest.mark.gpu
-def test_rows_past_num_rows_are_not_computed():
+def test_rows_past_num_rows_are_not_computed(cluster):
     offsets, num_rows, capacity, real = _row_table([200, 60], extra_tiles=3)
     x = _rows(capacity, 256, real, seed=9)
     w2 = _weights(2, 128, 256, seed=10)
@@ -124,7 +131,7 @@ def test_rows_past_num_rows_are_not_computed():
 
 
 @pytest.mark.gpu
-def test_bitwise_independent_of_grid_size_and_repeatable():
+def test_bitwise_independent_of_grid_size_and_repeatable(monkeypatch):
     offsets, num_rows, capacity, real = _row_table(COUNTS["ragged"])
     E, hidden, inter = 6, 320, 200
     x = _rows(capacity, hidden, real, seed=11)
@@ -143,9 +150,11 @@ def test_bitwise_independent_of_grid_size_and_repeatable():
         return [t[:used] for t in (act, h, y, d_h, dx)] + [dw1, dw2]
 
     base = run(0)
-    for max_ctas in (0, 1, 3, 17):
-        for a, b in zip(base, run(max_ctas)):
-            assert torch.equal(a, b), max_ctas
+    for cluster in ("1", "2"):  # the cluster size must not change a bit either
+        monkeypatch.setenv("MOK_GEMM_CLUSTER", cluster)
+        for max_ctas in (0, 1, 3, 17):
+            for a, b in zip(base, run(max_ctas)):
+                assert torch.equal(a, b), (cluster, max_ctas)
 
 
 @pytest.mark.gpu

@@ -18,17 +18,37 @@ using gemm::GemmParams;
 using gemm::Grouping;
 using gemm::bf16;
 
+// Configurations, by cluster size C (MOK_GEMM_CLUSTER; 1 unless set to 2).
 // fc1 + SwiGLU: B = w1 viewed as (I, H, 2E) boxes (gate of e = 2e, up of e = 2e + 1).
-using CfgFc1SwiGLU = GemmConfig<true, true, Grouping::kRows, Epi::kSwiGLU, __nv_bfloat16>;
+template <int C>
+using CfgFc1SwiGLU = GemmConfig<true, true, Grouping::kRows, Epi::kSwiGLU, __nv_bfloat16, C>;
 // out = a @ w[e]^T, w [E, N, K] (fc2 forward).
-using CfgRowsNT = GemmConfig<true, true, Grouping::kRows, Epi::kStore, __nv_bfloat16>;
+template <int C>
+using CfgRowsNT = GemmConfig<true, true, Grouping::kRows, Epi::kStore, __nv_bfloat16, C>;
 // out = a @ w[e], w [E, K, N] (dgrad).
-using CfgRowsNN = GemmConfig<true, false, Grouping::kRows, Epi::kStore, __nv_bfloat16>;
+template <int C>
+using CfgRowsNN = GemmConfig<true, false, Grouping::kRows, Epi::kStore, __nv_bfloat16, C>;
 // d_h = SwiGLU'(h) * (d_out @ w2[e]), w2 [E, H, I] (fc2 dgrad fused with SwiGLU backward).
-using CfgDgradSwiGLU = GemmConfig<true, false, Grouping::kRows, Epi::kSwiGLUBwd, __nv_bfloat16>;
+template <int C>
+using CfgDgradSwiGLU =
+    GemmConfig<true, false, Grouping::kRows, Epi::kSwiGLUBwd, __nv_bfloat16, C>;
 // out[e] = a[rows of e]^T @ b[rows of e] (weight gradients), bf16 or fp32 output.
-using CfgWgradBf16 = GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, __nv_bfloat16>;
-using CfgWgradF32 = GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, float>;
+template <int C>
+using CfgWgradBf16 =
+    GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, __nv_bfloat16, C>;
+template <int C>
+using CfgWgradF32 = GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, float, C>;
+
+int cluster_size() {
+  const char* env = std::getenv("MOK_GEMM_CLUSTER");
+  return env != nullptr && std::string(env) == "2" ? 2 : 1;
+}
+
+// Calls f(Cfg<1>{}) or f(Cfg<2>{}) by the cluster size.
+template <template <int> class Cfg, class F>
+void with_cluster(F&& f) {
+  if (cluster_size() == 2) f(Cfg<2>{}); else f(Cfg<1>{});
+}
 
 int num_sms(int device) {
   static int cached[64] = {0};
@@ -46,24 +66,49 @@ template <class Cfg>
 void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, int a_rows,
             int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
             int b_q, int64_t max_ctas) {
+  constexpr int C = Cfg::kCluster;
+  // Tasks are groups of C neighbouring N tiles (one per CTA of a cluster).
+  const int n_groups = (p.n_tiles + C - 1) / C;
+  p.num_tasks = (p.num_tasks / p.n_tiles) * n_groups;
   if (p.num_tasks <= 0) return;
   auto mA = make_tensor(make_gmem_ptr(as_bf16(a)), make_shape(a_rows, a_cols), stride_a);
   auto mB = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(b_n, b_k, b_q), stride_b);
-  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, mA, typename Cfg::SmemLayoutA{}(_, _, 0),
-                             Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
+  using LoadA = std::conditional_t<C == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
+  auto tma_a = make_tma_atom(LoadA{}, mA, typename Cfg::SmemLayoutA{}(_, _, 0),
+                             Shape<Int<Cfg::BM>, Int<Cfg::BK>>{}, Int<C>{});
   auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
                              Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
   auto kernel = &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b)>;
-  static bool attr_set = false;  // one per instantiation
-  if (!attr_set) {
+  static int max_clusters = 0;  // one per instantiation
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = C == 1 ? 0 : 1;  // C = 1 launches as a plain grid
+  if (max_clusters == 0) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Cfg::kSmemBytes));
-    attr_set = true;
+    if constexpr (C == 1) {
+      max_clusters = num_sms(a.get_device());
+    } else {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      config.gridDim = dim3(num_sms(a.get_device()) / C * C);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+      TORCH_CHECK(max_clusters > 0, "megatron_mok: no cluster of ", C, " CTAs fits this GPU");
+    }
   }
-  int grid = std::min(num_sms(a.get_device()), p.num_tasks);
-  if (max_ctas > 0) grid = std::min<int>(grid, int(max_ctas));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(
-      p, tma_a, tma_b, a_rows, a_cols, b_n, b_k, b_q);
+  int clusters = std::min(max_clusters, p.num_tasks);
+  if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
+  config.gridDim = dim3(clusters * C);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, a_rows, a_cols, b_n, b_k,
+                                    b_q));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -109,7 +154,7 @@ void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
   c10::cuda::CUDAGuard guard(x_rows.device());
-  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFc1SwiGLU::BN / 2);
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFc1SwiGLU<1>::BN / 2);
   p.out = act.data_ptr();
   p.ldo = I;
   if (h.has_value()) {
@@ -117,8 +162,10 @@ void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
     TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
     p.h_out = reinterpret_cast<__nv_bfloat16*>(h->data_ptr());
   }
-  launch<CfgFc1SwiGLU>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
-                       make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E), max_ctas);
+  with_cluster<CfgFc1SwiGLU>([&](auto cfg) {
+    launch<decltype(cfg)>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
+                          make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E), max_ctas);
+  });
 }
 
 void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offsets,
@@ -136,17 +183,21 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   TORCH_CHECK(out.size(0) == R && out.size(1) == N, "megatron_mok: out must be [rows, N]");
   c10::cuda::CUDAGuard guard(a.device());
   if (w_transposed) {
-    GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNN::BN);
+    GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNN<1>::BN);
     p.out = out.data_ptr();
     p.ldo = N;
-    launch<CfgRowsNN>(p, a, make_stride(K, _1{}), int(R), int(K), w,
-                      make_stride(_1{}, N, K * N), int(N), int(K), int(E), max_ctas);
+    with_cluster<CfgRowsNN>([&](auto cfg) {
+      launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
+                            make_stride(_1{}, N, K * N), int(N), int(K), int(E), max_ctas);
+    });
   } else {
-    GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNT::BN);
+    GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNT<1>::BN);
     p.out = out.data_ptr();
     p.ldo = N;
-    launch<CfgRowsNT>(p, a, make_stride(K, _1{}), int(R), int(K), w,
-                      make_stride(K, _1{}, N * K), int(N), int(K), int(E), max_ctas);
+    with_cluster<CfgRowsNT>([&](auto cfg) {
+      launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
+                            make_stride(K, _1{}, N * K), int(N), int(K), int(E), max_ctas);
+    });
   }
 }
 
@@ -163,11 +214,13 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
   TORCH_CHECK(h.size(0) == R && h.size(1) == 2 * I && d_h.sizes() == h.sizes(),
               "megatron_mok: h and d_h must be [rows, 2I]");
   c10::cuda::CUDAGuard guard(d_out.device());
-  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLU::BN);
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLU<1>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
   p.dh_out = reinterpret_cast<__nv_bfloat16*>(d_h.data_ptr());
-  launch<CfgDgradSwiGLU>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
-                         make_stride(_1{}, I, H * I), int(I), int(H), int(E), max_ctas);
+  with_cluster<CfgDgradSwiGLU>([&](auto cfg) {
+    launch<decltype(cfg)>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
+                          make_stride(_1{}, I, H * I), int(I), int(H), int(E), max_ctas);
+  });
 }
 
 void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
@@ -194,16 +247,18 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   p.N = int(N);
   p.K = int(R);
   p.m_tiles = int((M + 127) / 128);
-  p.n_tiles = int((N + CfgWgradBf16::BN - 1) / CfgWgradBf16::BN);
+  p.n_tiles = int((N + CfgWgradBf16<1>::BN - 1) / CfgWgradBf16<1>::BN);
   p.num_tasks = int(E) * p.m_tiles * p.n_tiles;
   p.out = out.data_ptr();
   p.ldo = N;
+  auto run = [&](auto cfg) {
+    launch<decltype(cfg)>(p, a, make_stride(_1{}, M), int(M), int(R), b,
+                          make_stride(_1{}, N, N * R), int(N), int(R), 1, max_ctas);
+  };
   if (out.scalar_type() == at::kFloat) {
-    launch<CfgWgradF32>(p, a, make_stride(_1{}, M), int(M), int(R), b, make_stride(_1{}, N, N * R),
-                        int(N), int(R), 1, max_ctas);
+    with_cluster<CfgWgradF32>(run);
   } else {
-    launch<CfgWgradBf16>(p, a, make_stride(_1{}, M), int(M), int(R), b,
-                         make_stride(_1{}, N, N * R), int(N), int(R), 1, max_ctas);
+    with_cluster<CfgWgradBf16>(run);
   }
 }
 

@@ -26,6 +26,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -39,10 +40,14 @@ using bf16 = cute::bfloat16_t;
 enum class Grouping { kRows, kTokensAsK };
 enum class Epi { kStore, kSwiGLU, kSwiGLUBwd };
 
-template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kBN = 256,
-          int kStages = 4>
+// kCluster = 2: CTA pairs in a cluster compute neighbouring N tiles of the same rows and
+// multicast the A tile (each CTA loads half of it for both), cutting L2->SM traffic by a
+// sixth. Experimental (MOK_GEMM_CLUSTER=2); the default is 1.
+template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kCluster_ = 1,
+          int kBN = 256, int kStages = 4>
 struct GemmConfig {
-  static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages;
+  static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages, kCluster = kCluster_;
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr Grouping group = kGroup;
   static constexpr Epi epi = kEpi;
   static constexpr int kSplit = kEpi == Epi::kSwiGLU ? 2 : 1;  // B boxes per tile
@@ -115,12 +120,15 @@ struct Task {
   bool skip;
 };
 
+// Task t of a cluster covers kCluster neighbouring N tiles; CTA `rank` takes the rank-th.
+// An N tile past the end still loads (zeros) and shares A, but stores nothing.
 template <class Cfg>
-__device__ __forceinline__ Task decode_task(const GemmParams& p, int t) {
+__device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank) {
   Task task;
+  const int n_groups = (p.n_tiles + Cfg::kCluster - 1) / Cfg::kCluster;
   if constexpr (Cfg::group == Grouping::kRows) {
-    task.m_tile = t / p.n_tiles;
-    task.n_tile = t % p.n_tiles;
+    task.m_tile = t / n_groups;
+    task.n_tile = (t % n_groups) * Cfg::kCluster + rank;
     const int rows = p.num_rows ? min(__ldg(p.num_rows), p.rows_cap) : p.rows_cap;
     const int m0 = task.m_tile * Cfg::BM;
     task.skip = m0 >= rows;
@@ -128,11 +136,11 @@ __device__ __forceinline__ Task decode_task(const GemmParams& p, int t) {
     task.k_begin = 0;
     task.k_end = (p.K + Cfg::BK - 1) / Cfg::BK;
   } else {
-    const int per_expert = p.m_tiles * p.n_tiles;
+    const int per_expert = p.m_tiles * n_groups;
     task.expert = t / per_expert;
     const int r = t % per_expert;
-    task.m_tile = r / p.n_tiles;
-    task.n_tile = r % p.n_tiles;
+    task.m_tile = r / n_groups;
+    task.n_tile = (r % n_groups) * Cfg::kCluster + rank;
     const int lo = min(__ldg(p.offsets + task.expert), p.rows_cap);
     const int hi = min(__ldg(p.offsets + task.expert + 1), p.rows_cap);
     task.k_begin = lo / Cfg::BK;  // segments start on 128-row boundaries
@@ -178,35 +186,49 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   Tensor sB = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutB{});
   Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
 
+  constexpr int C = Cfg::kCluster;
   const int warpgroup = threadIdx.x / 128;
+  const int rank = C == 1 ? 0 : int(cute::block_rank_in_cluster());
+  const int cluster = blockIdx.x / C, num_clusters = gridDim.x / C;
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     prefetch_tma_descriptor(tma_b.get_tma_descriptor());
     for (int s = 0; s < S; ++s) {
       FullBar::init(&smem.full[s], 1);
-      EmptyBar::init(&smem.empty[s], 256);
+      // C = 1: every consumer thread arrives. C = 2: one thread per consumer warpgroup
+      // per CTA of the cluster (a stage is refilled by both CTAs' multicast).
+      EmptyBar::init(&smem.empty[s], C == 1 ? 256 : 2 * C);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (C == 1) {
+    __syncthreads();
+  } else {
+    cute::cluster_arrive_relaxed();
+    cute::cluster_wait();
+  }
 
   if (warpgroup == 0) {
     // ---------------- producer: one thread feeds the ring ----------------
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x == 0) {
     Tensor mA = tma_a.get_tma_tensor(make_shape(a_rows, a_cols));   // (M, K)
     Tensor mB = tma_b.get_tma_tensor(make_shape(b_n, b_k, b_q));    // (N, K, Q)
     int stage = 0, phase = 0;
-    for (int t = blockIdx.x; t < p.num_tasks; t += gridDim.x) {
-      const Task task = decode_task<Cfg>(p, t);
+    for (int t = cluster; t < p.num_tasks; t += num_clusters) {
+      const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip || task.k_begin >= task.k_end) continue;
       Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
-      auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+      auto [tAgA, tAsA] = tma_partition(tma_a, rank, Layout<Int<C>>{}, group_modes<0, 2>(sA),
                                         group_modes<0, 2>(gA));
       for (int k = task.k_begin; k < task.k_end; ++k) {
         EmptyBar::wait(&smem.empty[stage], phase ^ 1);
         FullBar::arrive_and_expect_tx(&smem.full[stage], Cfg::kTxBytes);
-        copy(tma_a.with(smem.full[stage]), tAgA(_, k), tAsA(_, stage));
+        if constexpr (C == 1) {
+          copy(tma_a.with(smem.full[stage]), tAgA(_, k), tAsA(_, stage));
+        } else {
+          copy(tma_a.with(smem.full[stage], uint16_t((1 << C) - 1)), tAgA(_, k), tAsA(_, stage));
+        }
         CUTE_UNROLL
         for (int h = 0; h < kSplit; ++h) {
           const int q = Cfg::group == Grouping::kRows ? task.expert * kSplit + h : 0;
@@ -219,9 +241,8 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
         if (++stage == S) { stage = 0; phase ^= 1; }
       }
     }
-    return;
-  }
-
+    }  // threadIdx.x == 0
+  } else {
   // ---------------- consumers: WGMMA + epilogue ----------------
   cutlass::arch::warpgroup_reg_alloc<232>();
   const int ctid = threadIdx.x - 128;
@@ -236,9 +257,19 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   constexpr int kAcc = decltype(size(accum))::value;
 
   using Out = typename Cfg::Out;
+  // Hands stage s back to its producers: every thread (C = 1), or one thread of this
+  // warpgroup per CTA of the cluster (C = 2; the warpgroup's WGMMAs are complete).
+  const int wg_thread = ctid % 128;
+  auto release = [&](int s) {
+    if constexpr (C == 1) {
+      EmptyBar::arrive(&smem.empty[s]);
+    } else {
+      EmptyBar::arrive(&smem.empty[s], uint32_t(wg_thread), wg_thread < C);
+    }
+  };
   int stage = 0, phase = 0;
-  for (int t = blockIdx.x; t < p.num_tasks; t += gridDim.x) {
-    const Task task = decode_task<Cfg>(p, t);
+  for (int t = cluster; t < p.num_tasks; t += num_clusters) {
+    const Task task = decode_task<Cfg>(p, t, rank);
     if (task.skip) continue;
     const bool has_k = task.k_begin < task.k_end;
     if (has_k) {
@@ -255,12 +286,12 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
         }
         warpgroup_commit_batch();
         warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
-        if (prev >= 0) EmptyBar::arrive(&smem.empty[prev]);
+        if (prev >= 0) release(prev);
         prev = stage;
         if (++stage == S) { stage = 0; phase ^= 1; }
       }
       warpgroup_wait<0>();
-      EmptyBar::arrive(&smem.empty[prev]);
+      release(prev);
       warpgroup_fence_operand(accum);
     }
 
@@ -334,6 +365,10 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
       }
     }
   }
+  }  // consumers
+  // A CTA of a cluster stays until its peer no longer multicasts into its shared memory
+  // or arrives on its barriers.
+  if constexpr (C == 2) cute::cluster_sync();
 #endif
 }
 
