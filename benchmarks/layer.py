@@ -289,6 +289,10 @@ class MokBackend(Backend):
         self.resolved = functional.resolve_backend(self.config, torch.device(device),
                                                    weights.w1.dtype)
         self.info = {"mok_backend": self.resolved, "mok_backend_requested": mok_backend}
+        if self.resolved == "kernel":  # which expert-GEMM engine ran (MOK_GEMM_CORE)
+            from megatron_mok.kernel_backend import gemm_core
+            self.info["gemm_core"] = gemm_core()
+            self.info["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
 
     def run(self, inp):
         return self.fused_moe(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors(),
