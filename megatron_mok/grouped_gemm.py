@@ -70,9 +70,9 @@ def _check_table(rows: int, offsets: torch.Tensor, num_experts: int,
 
 def _check_multiple_of_8(**sizes: int) -> None:
     for name, value in sizes.items():
-        if value % 8:  # TMA: 16-byte aligned rows
-            raise ValueError(f"megatron_mok: {name}={value} must be a multiple of 8 for the "
-                             f"grouped-GEMM core")
+        if value <= 0 or value % 8:  # TMA: 16-byte aligned rows, no empty dimension
+            raise ValueError(f"megatron_mok: {name}={value} must be a positive multiple of 8 "
+                             f"for the grouped-GEMM core")
 
 
 def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,

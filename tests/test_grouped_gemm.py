@@ -201,8 +201,10 @@ def test_bad_inputs_raise_before_launch():
         gg.fc1_swiglu(x[:100], w1, offsets, num_rows)
     with pytest.raises(ValueError, match="expert_offsets must have 3 entries"):
         gg.fc1_swiglu(x, torch.zeros(2, 64, 64, dtype=torch.bfloat16), offsets, num_rows)
-    with pytest.raises(ValueError, match="inter=20 must be a multiple of 8"):
+    with pytest.raises(ValueError, match="inter=20 must be a positive multiple of 8"):
         gg.fc1_swiglu(x, torch.zeros(1, 40, 64, dtype=torch.bfloat16), offsets, num_rows)
+    with pytest.raises(ValueError, match="inter=0 must be a positive multiple of 8"):
+        gg.fc1_swiglu(x, torch.zeros(1, 0, 64, dtype=torch.bfloat16), offsets, num_rows)
     with pytest.raises(ValueError, match="x_rows must be on a CUDA device"):
         gg.fc1_swiglu(x, w1, offsets, num_rows)
     with pytest.raises(ValueError, match="must be contiguous|CUDA device"):

@@ -67,10 +67,10 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
             int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
             int b_q, int64_t max_ctas) {
   constexpr int C = Cfg::kCluster;
+  if (p.num_tasks <= 0 || p.n_tiles <= 0) return;
   // Tasks are groups of C neighbouring N tiles (one per CTA of a cluster).
   const int n_groups = (p.n_tiles + C - 1) / C;
   p.num_tasks = (p.num_tasks / p.n_tiles) * n_groups;
-  if (p.num_tasks <= 0) return;
   auto mA = make_tensor(make_gmem_ptr(as_bf16(a)), make_shape(a_rows, a_cols), stride_a);
   auto mB = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(b_n, b_k, b_q), stride_b);
   using LoadA = std::conditional_t<C == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
@@ -79,7 +79,9 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
                              Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
   auto kernel = &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b)>;
-  static int max_clusters = 0;  // one per instantiation
+  static int max_clusters_per_device[64] = {0};  // per instantiation and device
+  const int device = a.get_device();
+  int& max_clusters = max_clusters_per_device[device];
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -92,9 +94,10 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = C == 1 ? 0 : 1;  // C = 1 launches as a plain grid
+  // Per call: the attribute is per device and cheap to set.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Cfg::kSmemBytes));
   if (max_clusters == 0) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Cfg::kSmemBytes));
     if constexpr (C == 1) {
       max_clusters = num_sms(a.get_device());
     } else {
@@ -123,12 +126,14 @@ void check_bf16_cuda(const at::Tensor& t, const char* name, int64_t dim) {
 
 GemmParams rows_params(const at::Tensor& offsets, const at::Tensor& num_rows, int64_t rows,
                        int64_t n, int64_t k, int n_tile) {
-  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1,
-              "megatron_mok: expert_offsets must be a CUDA int32 vector");
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&
+                  offsets.is_contiguous(),
+              "megatron_mok: expert_offsets must be a contiguous CUDA int32 vector");
   TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
               "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
   TORCH_CHECK(rows % 128 == 0, "megatron_mok: the row table must hold a multiple of 128 rows");
-  TORCH_CHECK(n % 8 == 0 && k % 8 == 0, "megatron_mok: GEMM sizes must be multiples of 8");
+  TORCH_CHECK(n > 0 && k > 0 && n % 8 == 0 && k % 8 == 0,
+              "megatron_mok: GEMM sizes must be positive multiples of 8");
   GemmParams p{};
   p.offsets = offsets.data_ptr<int>();
   p.num_rows = num_rows.data_ptr<int>();
@@ -233,11 +238,19 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   const int64_t R = a.size(0), M = a.size(1), N = b.size(1), E = out.size(0);
   TORCH_CHECK(b.size(0) == R, "megatron_mok: a and b must have the same rows");
   TORCH_CHECK(out.size(1) == M && out.size(2) == N, "megatron_mok: out must be [E, M, N]");
-  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.numel() == E + 1,
-              "megatron_mok: expert_offsets must be a CUDA int32 vector of E + 1 entries");
-  TORCH_CHECK(R % 128 == 0 && M % 8 == 0 && N % 8 == 0,
-              "megatron_mok: rows must be a multiple of 128, M and N multiples of 8");
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.numel() == E + 1 &&
+                  offsets.is_contiguous(),
+              "megatron_mok: expert_offsets must be a contiguous CUDA int32 vector of E + 1 entries");
+  TORCH_CHECK(R % 128 == 0 && M > 0 && N > 0 && M % 8 == 0 && N % 8 == 0,
+              "megatron_mok: rows must be a multiple of 128, M and N positive multiples of 8");
+  TORCH_CHECK(b.device() == a.device() && out.device() == a.device() &&
+                  offsets.device() == a.device(),
+              "megatron_mok: wgrad operands must be on one device");
   c10::cuda::CUDAGuard guard(a.device());
+  if (R == 0) {  // no tokens: zero gradients (no TMA descriptor over an empty tensor)
+    out.zero_();
+    return;
+  }
   GemmParams p{};
   p.offsets = offsets.data_ptr<int>();
   p.num_rows = nullptr;

@@ -368,7 +368,10 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   }  // consumers
   // A CTA of a cluster stays until its peer no longer multicasts into its shared memory
   // or arrives on its barriers.
-  if constexpr (C == 2) cute::cluster_sync();
+  if constexpr (C == 2) {
+    __syncwarp();  // the producer warp diverged; cluster barriers are .aligned
+    cute::cluster_sync();
+  }
 #endif
 }
 
