@@ -1,0 +1,35 @@
+"""benchmarks.train_report: parses the launcher's step lines and compares the runs."""
+
+from pathlib import Path
+
+from benchmarks import train_report
+
+
+def _log(path: Path, losses, ms=100.0, tps=1000.0):
+    lines = ["some Megatron output", "[megatron_mok] banner"]
+    lines += [f"[megatron_mok] step {i + 1}/{len(losses)} | lm loss {loss:.6f} | {ms:.1f} ms | "
+              f"{tps + i:.0f} tokens/s" for i, loss in enumerate(losses)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_summary_of_mok_alltoall_and_repeat(tmp_path):
+    mok = [6.9, 6.5, 6.1, 5.8, 5.5, 5.2, 5.0]
+    _log(tmp_path / "train_tiny_mok.log", mok, tps=2000)
+    _log(tmp_path / "train_tiny_mok2.log", mok, tps=2000)
+    _log(tmp_path / "train_tiny_alltoall.log", [x + 0.01 for x in mok], tps=1000)
+    _log(tmp_path / "train_big_mok.log", [3.0, 2.0])
+    _log(tmp_path / "train_big_mok2.log", [3.0, 2.5])
+    assert train_report.main([str(p) for p in sorted(tmp_path.glob("*.log"))]
+                             + ["--out", str(tmp_path)]) == 0
+    summary = train_report.summarise({
+        "tiny": {k: train_report.parse(tmp_path / f"train_tiny_{k}.log")
+                 for k in ("mok", "mok2", "alltoall")},
+        "big": {k: train_report.parse(tmp_path / f"train_big_{k}.log") for k in ("mok", "mok2")},
+    })
+    tiny = summary["tiny"]
+    assert tiny["steps"] == 7 and tiny["mok_runs_identical"]
+    assert abs(tiny["max_abs_loss_diff_vs_alltoall"] - 0.01) < 1e-9
+    assert tiny["tokens_per_s"] == {"mok": 2005.5, "alltoall": 1005.5}  # median after step 5
+    assert abs(tiny["speedup"] - 2005.5 / 1005.5) < 1e-9
+    assert summary["big"]["mok_runs_identical"] is False
+    assert list(tmp_path.glob("*-train-ep1.json"))
