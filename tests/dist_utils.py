@@ -15,17 +15,25 @@ def _free_port() -> int:
 
 
 def _entry(rank, world_size, port, fn, args):
+    import faulthandler
+    import sys
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-        # Every rank is done with its collectives before any rank tears gloo down: a rank
-        # closing its connections while a peer's gloo I/O thread still reads aborted the
-        # peer now and then (std::terminate in gloo, SIGABRT).
-        dist.barrier()
-    finally:
+        dist.barrier()  # every rank is done with its collectives before any tears down
+    except BaseException:
         dist.destroy_process_group()
+        raise  # spawn reports it
+    dist.destroy_process_group()
+    # Leave without interpreter teardown: now and then a gloo/TCPStore background thread
+    # was still joinable when static destructors ran, and std::terminate aborted a rank
+    # that had finished its work (SIGABRT, "terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size, *args):
