@@ -26,12 +26,13 @@ import statistics
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import shapes as S
 from benchmarks.layer import (FLUSH_BYTES, REPO, Timer, measure_dense_peak, rel_l2,
                               run_metadata)
 from megatron_mok import grouped_gemm as gg
+from megatron_mok.kernel_backend import _swiglu as swiglu
+from megatron_mok.kernel_backend import _swiglu_backward as swiglu_bwd
 from megatron_mok.schedule import build_row_table
 
 STAGES = ("fwd", "dgrad", "wgrad")
@@ -61,18 +62,6 @@ def make_case(local: S.LocalShape, num_tokens: int, routing: str, device):
 
     return dict(sched=sched, routes=routes, x=rows(H), d_out=rows(H), w1=weight(E, 2 * I, H),
                 w2=weight(E, H, I))
-
-
-def swiglu(h):
-    gate, up = h.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(h.dtype)
-
-
-def swiglu_bwd(h, d_act):
-    gate, up = h.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    d = d_act.float()
-    return torch.cat([d * up * sig * (1 + gate * (1 - sig)), d * gate * sig], -1).to(h.dtype)
 
 
 def stage_fns(c):
@@ -105,9 +94,9 @@ def stage_fns(c):
     }
 
 
-def stage_flops(local: S.LocalShape, routes: int, stage: str) -> float:
-    fc = 2.0 * routes * local.hidden * 3 * local.inter  # fc1 (2I) + fc2 (I)
-    return fc  # every stage does the same two GEMM shapes' worth of work
+def stage_flops(local: S.LocalShape, routes: int) -> float:
+    """Every stage does fc1 (2I) + fc2 (I) worth of GEMM work."""
+    return 2.0 * routes * local.hidden * 3 * local.inter
 
 
 def main(argv=None) -> int:
@@ -151,7 +140,7 @@ def main(argv=None) -> int:
             ms = {impl: statistics.median(timer.measure(lambda: None, lambda _: fn(),
                                                         args.warmup, args.iters))
                   for impl, fn in fns[stage].items()}
-            flops = stage_flops(local, case["routes"], stage)
+            flops = stage_flops(local, case["routes"])
             rec = dict(shape=name, T=args.tokens, routing=args.routing, stage=stage,
                        E_loc=local.num_local_experts, H=local.hidden, I=local.inter,
                        K=local.topk, routes=case["routes"], flops=flops,

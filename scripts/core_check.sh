@@ -4,15 +4,7 @@
 # benchmark. Logs under ${OUT:-gpu_out}/. Env: SKIP_V1=1, SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if ! $PY -c "import megatron.core" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+source scripts/gpu_env.sh
 (cuobjdump -sass megatron_mok/_C*.so | grep -oE "HGMMA\.[0-9x]+\.[A-Z0-9]+|UTMALDG\.[0-9A-Z.]+|USETMAXREG[.A-Z0-9]*|STL\.|LDL\." \
   | sort | uniq -c) > "$OUT/sass_ops.txt" 2>&1
 head -12 "$OUT/sass_ops.txt"

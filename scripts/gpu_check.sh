@@ -11,16 +11,7 @@
 # BENCH_TIMEOUT (s) bounds the benchmark (it keeps what it measured when cut short).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-
-if ! $PY -c "import megatron.core" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, megatron.core; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)" | tee -a "$OUT/gpu.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"

@@ -4,15 +4,7 @@
 # Logs under ${OUT:-gpu_out}/. The EP layer benchmark and end-to-end runs are not here yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if ! $PY -c "import megatron.core" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source scripts/gpu_env.sh
 export MOK_TEST_GPU_PER_RANK=1
 ngpu=$(nvidia-smi -L | wc -l)
 echo "GPUs: $ngpu"

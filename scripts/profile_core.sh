@@ -6,10 +6,7 @@
 #   SHAPE=deepseek-v3 OPS="fc1 fc2 wgrad_fc1 torch_fc1" bash scripts/profile_core.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source scripts/gpu_env.sh
 shape=${SHAPE:-deepseek-v3}
 for op in ${OPS:-fc1 fc2 dgrad_swiglu wgrad_fc1 torch_fc1}; do
   if command -v ncu > /dev/null; then

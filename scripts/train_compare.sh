@@ -6,13 +6,7 @@
 # Env: CONFIGS (default "tiny qwen3"), STEPS (50).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if ! $PY -c "import megatron.core" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/gpu_env.sh
 export PYTHON=$PY
 steps=${STEPS:-50}
 common=(--train-iters "$steps" --log-interval 1 --deterministic-mode --bf16)

@@ -1,0 +1,11 @@
+# Sourced by the GPU scripts (run from the repository root): OUT (created), PY, megatron-core
+# from .whl/ when the machine lacks it, this checkout on PYTHONPATH, NVLink multicast off.
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ! $PY -c "import megatron.core" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
