@@ -14,6 +14,8 @@ stage is timed with CUDA events, L2 flushed before every iteration, median:
 
 FLOPs count the useful rows only (padding excluded). The dense BF16 peak (8192^3 torch.mm)
 is measured in the same run. Outputs of the two paths are compared (relative L2).
+With --ops every GEMM is also timed alone (ours, `torch._grouped_mm` without the SwiGLU
+kernels, and one dense cuBLAS GEMM of the same total size as a ceiling for the shape).
 Results: benchmarks/results/<date>-<gpu>-gemm-core.json.
 """
 
@@ -94,6 +96,57 @@ def stage_fns(c):
     }
 
 
+def op_fns(c):
+    """op -> (GEMM dims (M, N, K) with M = useful rows or the weight's rows, ours, torch's
+    grouped_mm alone, one dense torch.mm of the same total size over all rows)."""
+    s = c["sched"]
+    offs, offsets, num_rows = s.expert_offsets[1:], s.expert_offsets, s.num_rows
+    x, d_out, w1, w2 = c["x"], c["d_out"], c["w1"], c["w2"]
+    act, h = gg.fc1_swiglu(x, w1, offsets, num_rows)
+    d_h = gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows)
+    R, E = c["routes"], w1.shape[0]
+    H, I = x.shape[1], act.shape[1]
+    w1_all, w2_all = w1.reshape(E * 2 * I, H)[:2 * I], w2.reshape(E * H, I)[:H]
+    return {
+        "fc1_swiglu": ((R, 2 * I, H), lambda: gg.fc1_swiglu(x, w1, offsets, num_rows, save_h=False),
+                       lambda: torch._grouped_mm(x, w1.transpose(1, 2), offs=offs),
+                       lambda: torch.mm(x, w1_all.t())),
+        "fc2": ((R, H, I), lambda: gg.rows_matmul(act, w2, offsets, num_rows),
+                lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=offs),
+                lambda: torch.mm(act, w2_all.t())),
+        "dgrad_fc2_swiglu": ((R, I, H), lambda: gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows),
+                             lambda: torch._grouped_mm(d_out, w2, offs=offs),
+                             lambda: torch.mm(d_out, w2_all)),
+        "dgrad_fc1": ((R, H, 2 * I),
+                      lambda: gg.rows_matmul(d_h, w1, offsets, num_rows, w_transposed=True),
+                      lambda: torch._grouped_mm(d_h, w1, offs=offs),
+                      lambda: torch.mm(d_h, w1_all)),
+        "wgrad_fc2": ((H, I, R), lambda: gg.wgrad(d_out, act, offsets),
+                      lambda: torch._grouped_mm(d_out.t(), act, offs=offs),
+                      lambda: torch.mm(d_out.t(), act)),
+        "wgrad_fc1": ((2 * I, H, R), lambda: gg.wgrad(d_h, x, offsets),
+                      lambda: torch._grouped_mm(d_h.t(), x, offs=offs),
+                      lambda: torch.mm(d_h.t(), x)),
+    }
+
+
+def time_ops(case, name, args, timer, peak, records) -> None:
+    rows_all = case["x"].shape[0]  # the dense GEMM runs over every row, padding included
+    for op, (dims, *fns) in op_fns(case).items():
+        flops = 2.0 * dims[0] * dims[1] * dims[2]
+        dense_flops = flops * rows_all / case["routes"]
+        ms = [statistics.median(timer.measure(lambda: None, lambda _: fn(), args.warmup,
+                                              args.iters)) for fn in fns]
+        rec = dict(shape=name, T=args.tokens, routing=args.routing, op=op, gemm_mnk=dims,
+                   flops=flops, mok_ms=ms[0], torch_ms=ms[1], dense_ms=ms[2])
+        for impl, t, f in zip(("mok", "torch", "dense"), ms, (flops, flops, dense_flops)):
+            rec[f"{impl}_frac_peak"] = f / t / 1e9 / peak
+        records.append(rec)
+        print(f"  {op:17} mok {ms[0]:7.3f} ms {rec['mok_frac_peak']:5.2f}  torch {ms[1]:7.3f} "
+              f"{rec['torch_frac_peak']:5.2f}  dense {ms[2]:7.3f} {rec['dense_frac_peak']:5.2f}",
+              flush=True)
+
+
 def stage_flops(local: S.LocalShape, routes: int) -> float:
     """Every stage does fc1 (2I) + fc2 (I) worth of GEMM work."""
     return 2.0 * routes * local.hidden * 3 * local.inter
@@ -111,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cluster", default=None, choices=("1", "2"),
                    help="MOK_GEMM_CLUSTER for our kernels (default: the environment's, else 1)")
+    p.add_argument("--ops", action="store_true",
+                   help="also time every GEMM alone, with torch's and a dense cuBLAS one")
     args = p.parse_args(argv)
     if args.cluster:
         os.environ["MOK_GEMM_CLUSTER"] = args.cluster
@@ -120,7 +175,7 @@ def main(argv=None) -> int:
     meta["benchmark"] = "gemm-core"
     meta["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
     timer = Timer(device, FLUSH_BYTES)
-    records = []
+    records, op_records = [], []
     print(f"dense BF16 peak {peak:.0f} TFLOP/s")
     print(f"{'shape':14} {'stage':6} {'mok ms':>8} {'torch ms':>9} {'mok TF/s':>9} "
           f"{'of peak':>8} {'speedup':>8} {'rel L2':>8}")
@@ -153,14 +208,18 @@ def main(argv=None) -> int:
             print(f"{name:14} {stage:6} {ms['mok']:8.3f} {ms['torch']:9.3f} "
                   f"{rec['mok_tflops']:9.0f} {rec['mok_frac_peak']:8.2f} "
                   f"{rec['speedup']:7.2f}x {err:8.1e}", flush=True)
+        if args.ops:
+            time_ops(case, name, args, timer, peak, op_records)
         del case, fns
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if meta["gemm_cluster"] == "1" else f"-cluster{meta['gemm_cluster']}"
     path = out / f"{meta['date']}-{meta['gpu_short']}-gemm-core{suffix}.json"
-    path.write_text(json.dumps({"benchmark": "gemm-core", "meta": meta, "records": records},
-                               indent=1))
+    result = {"benchmark": "gemm-core", "meta": meta, "records": records}
+    if args.ops:
+        result["op_records"] = op_records
+    path.write_text(json.dumps(result, indent=1))
     print(f"results: {path}")
     return 0
 
