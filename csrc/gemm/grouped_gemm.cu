@@ -62,10 +62,30 @@ int num_sms(int device) {
 
 const bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
 
+// A 3-D output view (rows, cols, planes) for the epilogue's TMA stores.
+struct OutView {
+  void* ptr;
+  int64_t rows, cols, planes, ld, plane_stride;
+};
+
+OutView rows_view(const at::Tensor& t) { return {t.data_ptr(), t.size(0), t.size(1), 1, t.size(1), 0}; }
+
+template <class Cfg>
+auto make_store_atom(const OutView& v) {
+  using T = typename Cfg::EpiT;
+  auto m = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(v.ptr)),
+                       make_shape(int(v.rows), int(v.cols), int(v.planes)),
+                       make_stride(v.ld, _1{}, v.plane_stride));
+  return make_tma_atom(SM90_TMA_STORE{}, m, typename Cfg::EpiLayout{},
+                       Shape<_64, Int<Cfg::kChunkCols>>{});
+}
+
+// out: the output (kRows: rows x N; kTokensAsK: M x N x E); h: the SwiGLU pre-activations
+// as (rows, I, 2) when stored, else the same view as out (unused).
 template <class Cfg>
 void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, int a_rows,
             int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
-            int b_q, int64_t max_ctas) {
+            int b_q, const OutView& out, const OutView& h, int64_t max_ctas) {
   constexpr int C = Cfg::kCluster;
   if (p.num_tasks <= 0 || p.n_tiles <= 0) return;
   // Tasks are groups of C neighbouring N tiles (one per CTA of a cluster).
@@ -78,7 +98,10 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
                              Shape<Int<Cfg::BM>, Int<Cfg::BK>>{}, Int<C>{});
   auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
                              Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
-  auto kernel = &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b)>;
+  auto tma_o = make_store_atom<Cfg>(out);
+  auto tma_h = make_store_atom<Cfg>(h);
+  auto kernel =
+      &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b), decltype(tma_o)>;
   static int max_clusters_per_device[64] = {0};  // per instantiation and device
   const int device = a.get_device();
   int& max_clusters = max_clusters_per_device[device];
@@ -110,8 +133,8 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   int clusters = std::min(max_clusters, p.num_tasks);
   if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
   config.gridDim = dim3(clusters * C);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, a_rows, a_cols, b_n, b_k,
-                                    b_q));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_o, tma_h, a_rows,
+                                    a_cols, b_n, b_k, b_q));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -167,9 +190,13 @@ void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
     TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
     p.h_out = reinterpret_cast<__nv_bfloat16*>(h->data_ptr());
   }
+  const OutView act_view = rows_view(act);
+  const OutView h_view =
+      h.has_value() ? OutView{h->data_ptr(), R, I, 2, 2 * I, I} : act_view;
   with_cluster<CfgFc1SwiGLU>([&](auto cfg) {
     launch<decltype(cfg)>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
-                          make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E), max_ctas);
+                          make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E), act_view,
+                          h_view, max_ctas);
   });
 }
 
@@ -193,7 +220,8 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
     p.ldo = N;
     with_cluster<CfgRowsNN>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
-                            make_stride(_1{}, N, K * N), int(N), int(K), int(E), max_ctas);
+                            make_stride(_1{}, N, K * N), int(N), int(K), int(E),
+                            rows_view(out), rows_view(out), max_ctas);
     });
   } else {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNT<1>::BN);
@@ -201,7 +229,8 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
     p.ldo = N;
     with_cluster<CfgRowsNT>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
-                            make_stride(K, _1{}, N * K), int(N), int(K), int(E), max_ctas);
+                            make_stride(K, _1{}, N * K), int(N), int(K), int(E),
+                            rows_view(out), rows_view(out), max_ctas);
     });
   }
 }
@@ -224,7 +253,8 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
   p.dh_out = reinterpret_cast<__nv_bfloat16*>(d_h.data_ptr());
   with_cluster<CfgDgradSwiGLU>([&](auto cfg) {
     launch<decltype(cfg)>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
-                          make_stride(_1{}, I, H * I), int(I), int(H), int(E), max_ctas);
+                          make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),
+                          rows_view(d_h), max_ctas);  // stores directly (reads h)
   });
 }
 
@@ -264,9 +294,11 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   p.num_tasks = int(E) * p.m_tiles * p.n_tiles;
   p.out = out.data_ptr();
   p.ldo = N;
+  const OutView out_view{out.data_ptr(), M, N, E, N, M * N};
   auto run = [&](auto cfg) {
     launch<decltype(cfg)>(p, a, make_stride(_1{}, M), int(M), int(R), b,
-                          make_stride(_1{}, N, N * R), int(N), int(R), 1, max_ctas);
+                          make_stride(_1{}, N, N * R), int(N), int(R), 1, out_view, out_view,
+                          max_ctas);
   };
   if (out.scalar_type() == at::kFloat) {
     with_cluster<CfgWgradF32>(run);

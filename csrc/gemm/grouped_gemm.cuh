@@ -82,9 +82,22 @@ struct GemmConfig {
                                      Stride<_1, int64_t, int64_t>>;
 
   static constexpr int kTxBytes = (BM * BK + BN * BK) * int(sizeof(bf16));
+
+  // Epilogue staging: a consumer warpgroup writes its 64 x BN accumulator slice in chunks of
+  // 64 rows x 128 bytes (one 128B-swizzled TMA box) through two buffers of its own; a chunk's
+  // TMA store drains while the next chunk is written and, for the last ones, while the next
+  // tile's mainloop runs. (kSwiGLUBwd still stores directly: its epilogue also reads h.)
+  static constexpr bool kStaged = kEpi != Epi::kSwiGLUBwd;
+  static constexpr int kChunkCols = 128 / int(sizeof(OutT));
+  using EpiT = std::conditional_t<std::is_same_v<OutT, float>, float, bf16>;  // CuTe's type
+  using EpiLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<EpiT>{},
+                                           Shape<_64, Int<kChunkCols>>{}));
+  static constexpr int kChunkElems = 64 * kChunkCols;
+
   struct SharedStorage {
     alignas(1024) bf16 a[cosize_v<SmemLayoutA>];
     alignas(1024) bf16 b[cosize_v<SmemLayoutB>];
+    alignas(1024) EpiT epi[kStaged ? 2 * 2 * kChunkElems : 1];  // [warpgroup][buffer]
     alignas(8) uint64_t full[Stages];
     alignas(8) uint64_t empty[Stages];
   };
@@ -168,10 +181,17 @@ __device__ __forceinline__ void store_pair<float>(float* ptr, float a, float b, 
   else *ptr = a;
 }
 
-template <class Cfg, class TmaA, class TmaB>
+__device__ __forceinline__ void warpgroup_bar_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+
+// Output views for the TMA stores, all 3-D (rows, cols, planes): kRows out (rows, N, 1),
+// kTokensAsK out (M, N, E), SwiGLU h (rows, I, 2) with gate and up as planes 0 and 1.
+template <class Cfg, class TmaA, class TmaB, class TmaO>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ TmaA tma_a,
-                    const __grid_constant__ TmaB tma_b, int a_rows, int a_cols, int b_n, int b_k,
+                    const __grid_constant__ TmaB tma_b, const __grid_constant__ TmaO tma_o,
+                    const __grid_constant__ TmaO tma_h, int a_rows, int a_cols, int b_n, int b_k,
                     int b_q) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace cute;
@@ -193,6 +213,7 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+    if constexpr (Cfg::kStaged) prefetch_tma_descriptor(tma_o.get_tma_descriptor());
     for (int s = 0; s < S; ++s) {
       FullBar::init(&smem.full[s], 1);
       // C = 1: every consumer thread arrives. C = 2: one thread per consumer warpgroup
@@ -267,6 +288,55 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
       EmptyBar::arrive(&smem.empty[s], uint32_t(wg_thread), wg_thread < C);
     }
   };
+  // Staged epilogue. In the WGMMA accumulator layout, element i of a thread sits at row
+  // row_t + 8 * ((i / 2) % 2) and column col_t + 8 * (i / 4) + i % 2 of the warpgroup's slice.
+  static_assert(kAcc == BN / 2, "one 64 x BN WGMMA accumulator per consumer warpgroup");
+  constexpr int CW = Cfg::kChunkCols;
+  const int wg = warpgroup - 1;
+  const int row_t = get<0>(tCcD(0)) - 64 * wg, col_t = get<1>(tCcD(0));
+  int epi_buf = 0;
+  Tensor mO = tma_o.get_tma_tensor(make_shape(
+      Cfg::group == Grouping::kRows ? p.rows_cap : p.M, p.N,
+      Cfg::group == Grouping::kRows ? 1 : p.num_experts));
+  Tensor mH = tma_h.get_tma_tensor(make_shape(p.rows_cap, p.N, 2));
+  // Chunk `first_block / (CW / 8)` of the slice: values(i) gives elements i and i + 1 for the
+  // accumulator index i of the chunk's column blocks; stored at 64-row tile `row_tile`, chunk
+  // column `col_chunk` of plane `plane` of the view.
+  auto emit_chunk = [&](auto const& tma, auto const& mView, int row_tile, int col_chunk,
+                        int plane, int first_block, auto&& values) {
+    using Out = typename Cfg::EpiT;
+    const int buf = epi_buf;
+    epi_buf ^= 1;
+    Out* chunk = smem.epi + (wg * 2 + buf) * Cfg::kChunkElems;
+    if (wg_thread == 0) tma_store_wait<1>();  // this buffer's previous store has read it
+    warpgroup_bar_sync(1 + wg);
+    Tensor sE = make_tensor(make_smem_ptr(chunk), typename Cfg::EpiLayout{});
+    CUTE_UNROLL
+    for (int jb = 0; jb < CW / 8; ++jb) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int i = 4 * (first_block + jb) + 2 * half;
+        const float2 v = values(i);
+        Out* dst = &sE(row_t + 8 * half, col_t + 8 * jb);
+        if constexpr (std::is_same_v<Out, float>) {
+          *reinterpret_cast<float2*>(dst) = v;
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v.x, v.y);
+        }
+      }
+    }
+    tma_store_fence();  // generic-proxy smem writes -> the TMA (async proxy) reads them
+    warpgroup_bar_sync(1 + wg);
+    if (wg_thread == 0) {
+      Tensor gO = local_tile(mView(_, _, plane), Shape<_64, Int<CW>>{},
+                             make_coord(row_tile, col_chunk));
+      auto [tOgO, tOsO] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sE),
+                                        group_modes<0, 2>(gO));
+      copy(tma, tOsO, tOgO);
+      tma_store_arrive();
+    }
+  };
+
   int stage = 0, phase = 0;
   for (int t = cluster; t < p.num_tasks; t += num_clusters) {
     const Task task = decode_task<Cfg>(p, t, rank);
@@ -297,39 +367,37 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
 
     // ---------------- epilogue ----------------
     const int m0 = task.m_tile * BM;
+    const int row_tile = 2 * task.m_tile + wg;  // this warpgroup's 64 rows
     if constexpr (Cfg::epi == Epi::kStore) {
-      const int n0 = task.n_tile * BN;
-      Out* out = static_cast<Out*>(p.out);
-      int m_lim = p.rows_cap;
-      if constexpr (Cfg::group == Grouping::kTokensAsK) {
-        out += int64_t(task.expert) * p.M * p.N;
-        m_lim = p.M;
-      }
+      const int plane = Cfg::group == Grouping::kRows ? 0 : task.expert;
       CUTE_UNROLL
-      for (int i = 0; i < kAcc; i += 2) {
-        const int r = m0 + get<0>(tCcD(i)), c = n0 + get<1>(tCcD(i));
-        if (r < m_lim && c < p.N) {
-          const float a = has_k ? accum(i) : 0.f, b = has_k ? accum(i + 1) : 0.f;
-          store_pair<Out>(out + int64_t(r) * p.ldo + c, a, b, c + 1 < p.N);
+      for (int q = 0; q < BN / CW; ++q) {
+        if ((task.n_tile * BN + q * CW) < p.N) {  // a chunk past N is all clipped
+          emit_chunk(tma_o, mO, row_tile, task.n_tile * (BN / CW) + q, plane, q * (CW / 8),
+                     [&](int i) {
+                       return has_k ? make_float2(accum(i), accum(i + 1)) : make_float2(0.f, 0.f);
+                     });
         }
       }
     } else if constexpr (Cfg::epi == Epi::kSwiGLU) {
       // Columns [0, BN/2) of the tile are gate, [BN/2, BN) the matching up columns: in the
-      // WGMMA accumulator layout a thread holds both, kAcc/2 apart.
-      const int n0 = task.n_tile * BNh;
-      __nv_bfloat16* act = static_cast<__nv_bfloat16*>(p.out);
+      // accumulator a thread holds both, kAcc/2 apart.
       CUTE_UNROLL
-      for (int i = 0; i < kAcc / 2; i += 2) {
-        const int r = m0 + get<0>(tCcD(i)), c = n0 + get<1>(tCcD(i));
-        if (r < p.rows_cap && c < p.N) {
-          const bool both = c + 1 < p.N;
-          const float g0 = accum(i), g1 = accum(i + 1);
-          const float u0 = accum(i + kAcc / 2), u1 = accum(i + 1 + kAcc / 2);
-          store_pair(act + int64_t(r) * p.ldo + c, silu_f(g0) * u0, silu_f(g1) * u1, both);
+      for (int q = 0; q < BNh / CW; ++q) {
+        if ((task.n_tile * BNh + q * CW) < p.N) {
+          const int col_chunk = task.n_tile * (BNh / CW) + q;
+          emit_chunk(tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
+            return make_float2(silu_f(accum(i)) * accum(i + kAcc / 2),
+                               silu_f(accum(i + 1)) * accum(i + 1 + kAcc / 2));
+          });
           if (p.h_out != nullptr) {
-            __nv_bfloat16* h = p.h_out + int64_t(r) * 2 * p.N;
-            store_pair(h + c, g0, g1, both);
-            store_pair(h + p.N + c, u0, u1, both);
+            CUTE_UNROLL
+            for (int part = 0; part < 2; ++part) {  // gate, up
+              emit_chunk(tma_h, mH, row_tile, col_chunk, part, q * (CW / 8), [&](int i) {
+                const int j = i + part * (kAcc / 2);
+                return make_float2(accum(j), accum(j + 1));
+              });
+            }
           }
         }
       }
@@ -364,6 +432,9 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
         }
       }
     }
+  }
+  if constexpr (Cfg::kStaged) {
+    if (wg_thread == 0) tma_store_wait<0>();  // smem must outlive the stores' reads
   }
   }  // consumers
   // A CTA of a cluster stays until its peer no longer multicasts into its shared memory
