@@ -250,11 +250,10 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
   c10::cuda::CUDAGuard guard(d_out.device());
   GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLU<1>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
-  p.dh_out = reinterpret_cast<__nv_bfloat16*>(d_h.data_ptr());
   with_cluster<CfgDgradSwiGLU>([&](auto cfg) {
     launch<decltype(cfg)>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
                           make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),
-                          rows_view(d_h), max_ctas);  // stores directly (reads h)
+                          OutView{d_h.data_ptr(), R, I, 2, 2 * I, I}, max_ctas);
   });
 }
 

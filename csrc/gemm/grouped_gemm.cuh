@@ -86,8 +86,7 @@ struct GemmConfig {
   // Epilogue staging: a consumer warpgroup writes its 64 x BN accumulator slice in chunks of
   // 64 rows x 128 bytes (one 128B-swizzled TMA box) through two buffers of its own; a chunk's
   // TMA store drains while the next chunk is written and, for the last ones, while the next
-  // tile's mainloop runs. (kSwiGLUBwd still stores directly: its epilogue also reads h.)
-  static constexpr bool kStaged = kEpi != Epi::kSwiGLUBwd;
+  // tile's mainloop runs.
   static constexpr int kChunkCols = 128 / int(sizeof(OutT));
   using EpiT = std::conditional_t<std::is_same_v<OutT, float>, float, bf16>;  // CuTe's type
   using EpiLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<EpiT>{},
@@ -97,7 +96,7 @@ struct GemmConfig {
   struct SharedStorage {
     alignas(1024) bf16 a[cosize_v<SmemLayoutA>];
     alignas(1024) bf16 b[cosize_v<SmemLayoutB>];
-    alignas(1024) EpiT epi[kStaged ? 2 * 2 * kChunkElems : 1];  // [warpgroup][buffer]
+    alignas(1024) EpiT epi[2 * 2 * kChunkElems];  // [warpgroup][buffer]
     alignas(8) uint64_t full[Stages];
     alignas(8) uint64_t empty[Stages];
   };
@@ -115,7 +114,6 @@ struct GemmParams {
   int64_t ldo;
   __nv_bfloat16* h_out;   // kSwiGLU: optional [rows, 2N] pre-activations
   const __nv_bfloat16* h_in;  // kSwiGLUBwd: [rows, 2N]
-  __nv_bfloat16* dh_out;  // kSwiGLUBwd: [rows, 2N]
 };
 
 __device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
@@ -133,6 +131,20 @@ struct Task {
   bool skip;
 };
 
+// Task t -> (m tile, column group g) of an m_tiles x n_groups grid, walked in bands of kBand
+// groups, row tiles fastest inside a band. The ~132 CTAs running at once then share a few B
+// column tiles (kept in L2) over many row tiles, instead of all of B over one or two row
+// tiles: per k step they read ~16 A and 8 B tiles instead of ~8 A and 16 B (A tiles are
+// half the size), and B streams from DRAM once per band, not once per wave.
+__device__ __forceinline__ void band_order(int t, int m_tiles, int n_groups, int& m, int& g) {
+  constexpr int kBand = 8;
+  const int band = t / (m_tiles * kBand);
+  const int width = min(kBand, n_groups - band * kBand);
+  const int local = t - band * m_tiles * kBand;
+  m = local / width;
+  g = band * kBand + local % width;
+}
+
 // Task t of a cluster covers kCluster neighbouring N tiles; CTA `rank` takes the rank-th.
 // An N tile past the end still loads (zeros) and shares A, but stores nothing.
 template <class Cfg>
@@ -140,8 +152,9 @@ __device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank
   Task task;
   const int n_groups = (p.n_tiles + Cfg::kCluster - 1) / Cfg::kCluster;
   if constexpr (Cfg::group == Grouping::kRows) {
-    task.m_tile = t / n_groups;
-    task.n_tile = (t % n_groups) * Cfg::kCluster + rank;
+    int g;
+    band_order(t, p.m_tiles, n_groups, task.m_tile, g);
+    task.n_tile = g * Cfg::kCluster + rank;
     const int rows = p.num_rows ? min(__ldg(p.num_rows), p.rows_cap) : p.rows_cap;
     const int m0 = task.m_tile * Cfg::BM;
     task.skip = m0 >= rows;
@@ -152,8 +165,9 @@ __device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank
     const int per_expert = p.m_tiles * n_groups;
     task.expert = t / per_expert;
     const int r = t % per_expert;
-    task.m_tile = r / n_groups;
-    task.n_tile = (r % n_groups) * Cfg::kCluster + rank;
+    int g;
+    band_order(r, p.m_tiles, n_groups, task.m_tile, g);
+    task.n_tile = g * Cfg::kCluster + rank;
     const int lo = min(__ldg(p.offsets + task.expert), p.rows_cap);
     const int hi = min(__ldg(p.offsets + task.expert + 1), p.rows_cap);
     task.k_begin = lo / Cfg::BK;  // segments start on 128-row boundaries
@@ -165,28 +179,13 @@ __device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
 
-template <class T>
-__device__ __forceinline__ void store_pair(T* ptr, float a, float b, bool both);
-
-template <>
-__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* ptr, float a, float b,
-                                                          bool both) {
-  if (both) *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(a, b);
-  else *ptr = __float2bfloat16_rn(a);
-}
-
-template <>
-__device__ __forceinline__ void store_pair<float>(float* ptr, float a, float b, bool both) {
-  if (both) *reinterpret_cast<float2*>(ptr) = make_float2(a, b);
-  else *ptr = a;
-}
-
 __device__ __forceinline__ void warpgroup_bar_sync(int id) {
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
 
 // Output views for the TMA stores, all 3-D (rows, cols, planes): kRows out (rows, N, 1),
-// kTokensAsK out (M, N, E), SwiGLU h (rows, I, 2) with gate and up as planes 0 and 1.
+// kTokensAsK out (M, N, E); tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0
+// and 1: the SwiGLU forward's h, the SwiGLU backward's d_h.
 template <class Cfg, class TmaA, class TmaB, class TmaO>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ TmaA tma_a,
@@ -213,7 +212,8 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     prefetch_tma_descriptor(tma_b.get_tma_descriptor());
-    if constexpr (Cfg::kStaged) prefetch_tma_descriptor(tma_o.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_o.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_h.get_tma_descriptor());
     for (int s = 0; s < S; ++s) {
       FullBar::init(&smem.full[s], 1);
       // C = 1: every consumer thread arrives. C = 2: one thread per consumer warpgroup
@@ -401,41 +401,49 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
           }
         }
       }
-    } else {  // kSwiGLUBwd: acc = d_act
-      const int n0 = task.n_tile * BN;
+    } else {  // kSwiGLUBwd: acc = d_act; d_h = [d_gate, d_up] (planes of the h view)
+      // Per chunk: read the matching h pairs, compute both halves of d_h in registers,
+      // then stage d_gate and d_up like the other outputs. N = I is a multiple of 8, so a
+      // column pair starting below N is whole.
+      constexpr int kPer = CW / 2;  // values of one chunk held by a thread
       CUTE_UNROLL
-      for (int i = 0; i < kAcc; i += 2) {
-        const int r = m0 + get<0>(tCcD(i)), c = n0 + get<1>(tCcD(i));
-        if (r < p.rows_cap && c < p.N) {
-          const bool both = c + 1 < p.N;
-          const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N;
-          float g[2], u[2], dg[2], du[2];
-          if (both) {
-            const float2 gg = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + c));
-            const float2 uu =
-                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N + c));
-            g[0] = gg.x; g[1] = gg.y; u[0] = uu.x; u[1] = uu.y;
-          } else {
-            g[0] = __bfloat162float(h[c]); u[0] = __bfloat162float(h[p.N + c]);
-            g[1] = u[1] = 0.f;
-          }
+      for (int q = 0; q < BN / CW; ++q) {
+        if (task.n_tile * BN + q * CW < p.N) {
+          float dg[kPer], du[kPer];
           CUTE_UNROLL
-          for (int j = 0; j < 2; ++j) {
-            const float d = accum(i + j);
-            const float sig = 1.f / (1.f + __expf(-g[j]));
-            dg[j] = d * u[j] * sig * (1.f + g[j] * (1.f - sig));
-            du[j] = d * g[j] * sig;
+          for (int jb = 0; jb < CW / 8; ++jb) {
+            CUTE_UNROLL
+            for (int half = 0; half < 2; ++half) {
+              const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
+              const int r = m0 + get<0>(tCcD(i)), c = task.n_tile * BN + get<1>(tCcD(i));
+              float2 g = make_float2(0.f, 0.f), u = g;
+              if (c < p.N) {
+                const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
+                g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
+                u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
+              }
+              const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+              CUTE_UNROLL
+              for (int j = 0; j < 2; ++j) {
+                const float d = accum(i + j);
+                const float sig = 1.f / (1.f + __expf(-gs[j]));
+                dg[l + j] = d * us[j] * sig * (1.f + gs[j] * (1.f - sig));
+                du[l + j] = d * gs[j] * sig;
+              }
+            }
           }
-          __nv_bfloat16* dh = p.dh_out + int64_t(r) * 2 * p.N;
-          store_pair(dh + c, dg[0], dg[1], both);
-          store_pair(dh + p.N + c, du[0], du[1], both);
+          const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
+          emit_chunk(tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
+            return make_float2(dg[i - base], dg[i - base + 1]);
+          });
+          emit_chunk(tma_h, mH, row_tile, col_chunk, 1, q * (CW / 8), [&](int i) {
+            return make_float2(du[i - base], du[i - base + 1]);
+          });
         }
       }
     }
   }
-  if constexpr (Cfg::kStaged) {
-    if (wg_thread == 0) tma_store_wait<0>();  // smem must outlive the stores' reads
-  }
+  if (wg_thread == 0) tma_store_wait<0>();  // smem must outlive the stores' reads
   }  // consumers
   // A CTA of a cluster stays until its peer no longer multicasts into its shared memory
   // or arrives on its barriers.
