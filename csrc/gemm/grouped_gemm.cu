@@ -88,20 +88,28 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
             int b_q, const OutView& out, const OutView& h, int64_t max_ctas) {
   constexpr int C = Cfg::kCluster;
   if (p.num_tasks <= 0 || p.n_tiles <= 0) return;
-  // Tasks are groups of C neighbouring N tiles (one per CTA of a cluster).
-  const int n_groups = (p.n_tiles + C - 1) / C;
-  p.num_tasks = (p.num_tasks / p.n_tiles) * n_groups;
+  // Tasks are groups of C neighbouring row tiles (one per CTA of a cluster).
+  const int m_groups = (p.m_tiles + C - 1) / C;
+  p.num_tasks = (p.num_tasks / p.m_tiles) * m_groups;
   auto mA = make_tensor(make_gmem_ptr(as_bf16(a)), make_shape(a_rows, a_cols), stride_a);
   auto mB = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(b_n, b_k, b_q), stride_b);
-  using LoadA = std::conditional_t<C == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
-  auto tma_a = make_tma_atom(LoadA{}, mA, typename Cfg::SmemLayoutA{}(_, _, 0),
-                             Shape<Int<Cfg::BM>, Int<Cfg::BK>>{}, Int<C>{});
-  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
-                             Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
+  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, mA, typename Cfg::SmemLayoutA{}(_, _, 0),
+                             Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
+  using BoxB = Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>;
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0), BoxB{});
+  auto tma_b_mc = [&] {
+    if constexpr (C == 1) {
+      return tma_b;
+    } else {
+      return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
+                           BoxB{}, Int<C>{});
+    }
+  }();
   auto tma_o = make_store_atom<Cfg>(out);
   auto tma_h = make_store_atom<Cfg>(h);
   auto kernel =
-      &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b), decltype(tma_o)>;
+      &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b), decltype(tma_b_mc),
+                                 decltype(tma_o)>;
   static int max_clusters_per_device[64] = {0};  // per instantiation and device
   const int device = a.get_device();
   int& max_clusters = max_clusters_per_device[device];
@@ -133,7 +141,7 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   int clusters = std::min(max_clusters, p.num_tasks);
   if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
   config.gridDim = dim3(clusters * C);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_o, tma_h, a_rows,
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_b_mc, tma_o, tma_h, a_rows,
                                     a_cols, b_n, b_k, b_q));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -40,9 +40,9 @@ using bf16 = cute::bfloat16_t;
 enum class Grouping { kRows, kTokensAsK };
 enum class Epi { kStore, kSwiGLU, kSwiGLUBwd };
 
-// kCluster = 2: CTA pairs in a cluster compute neighbouring N tiles of the same rows and
-// multicast the A tile (each CTA loads half of it for both), cutting L2->SM traffic by a
-// sixth. Experimental (MOK_GEMM_CLUSTER=2); the default is 1.
+// kCluster = 2: CTA pairs in a cluster compute neighbouring row tiles of the same N tile and,
+// when both rows belong to one expert, multicast the B tile (each CTA loads half of it for
+// both), cutting L2->SM traffic by a third. Experimental (MOK_GEMM_CLUSTER=2); default 1.
 template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kCluster_ = 1,
           int kBN = 256, int kStages = 4>
 struct GemmConfig {
@@ -128,7 +128,9 @@ __device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts
 
 struct Task {
   int m_tile, n_tile, expert, k_begin, k_end;  // k in BK tiles
-  bool skip;
+  bool skip;     // nothing to do (every CTA of the cluster agrees)
+  bool store;    // this CTA's rows exist (a cluster's second row tile may not)
+  bool share_b;  // the cluster's row tiles use one expert's B: multicast it
 };
 
 // Task t -> (m tile, column group g) of an m_tiles x n_groups grid, walked in bands of kBand
@@ -145,34 +147,42 @@ __device__ __forceinline__ void band_order(int t, int m_tiles, int n_groups, int
   g = band * kBand + local % width;
 }
 
-// Task t of a cluster covers kCluster neighbouring N tiles; CTA `rank` takes the rank-th.
-// An N tile past the end still loads (zeros) and shares A, but stores nothing.
+// Task t of a cluster covers kCluster neighbouring row tiles of one N tile; CTA `rank` takes
+// the rank-th. Every CTA of a cluster walks the same stages in lockstep (the ring's empty
+// barriers count both CTAs' consumers), so a row tile past the rows still runs its mainloop
+// (on zeros or stale rows) and only skips the store.
 template <class Cfg>
 __device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank) {
+  constexpr int C = Cfg::kCluster, BM = Cfg::BM;
+  const int m_groups = (p.m_tiles + C - 1) / C;
   Task task;
-  const int n_groups = (p.n_tiles + Cfg::kCluster - 1) / Cfg::kCluster;
+  int mg;
   if constexpr (Cfg::group == Grouping::kRows) {
-    int g;
-    band_order(t, p.m_tiles, n_groups, task.m_tile, g);
-    task.n_tile = g * Cfg::kCluster + rank;
+    band_order(t, m_groups, p.n_tiles, mg, task.n_tile);
+    task.m_tile = mg * C + rank;
     const int rows = p.num_rows ? min(__ldg(p.num_rows), p.rows_cap) : p.rows_cap;
-    const int m0 = task.m_tile * Cfg::BM;
-    task.skip = m0 >= rows;
-    task.expert = task.skip ? 0 : expert_of_row(p.offsets, p.num_experts, m0);
+    const int lead_m0 = mg * C * BM;
+    task.skip = lead_m0 >= rows;
+    task.store = !task.skip && task.m_tile * BM < rows;
+    const int lead_e = task.skip ? 0 : expert_of_row(p.offsets, p.num_experts, lead_m0);
+    int last_e = lead_e;  // C = 2: the second tile's expert (the lead's when it has no rows)
+    if (C == 2 && lead_m0 + BM < rows) last_e = expert_of_row(p.offsets, p.num_experts, lead_m0 + BM);
+    task.share_b = lead_e == last_e;
+    task.expert = rank == 0 ? lead_e : last_e;
     task.k_begin = 0;
     task.k_end = (p.K + Cfg::BK - 1) / Cfg::BK;
   } else {
-    const int per_expert = p.m_tiles * n_groups;
+    const int per_expert = m_groups * p.n_tiles;
     task.expert = t / per_expert;
-    const int r = t % per_expert;
-    int g;
-    band_order(r, p.m_tiles, n_groups, task.m_tile, g);
-    task.n_tile = g * Cfg::kCluster + rank;
+    band_order(t % per_expert, m_groups, p.n_tiles, mg, task.n_tile);
+    task.m_tile = mg * C + rank;
     const int lo = min(__ldg(p.offsets + task.expert), p.rows_cap);
     const int hi = min(__ldg(p.offsets + task.expert + 1), p.rows_cap);
     task.k_begin = lo / Cfg::BK;  // segments start on 128-row boundaries
     task.k_end = (hi + Cfg::BK - 1) / Cfg::BK;
     task.skip = false;
+    task.store = task.m_tile < p.m_tiles;
+    task.share_b = true;
   }
   return task;
 }
@@ -186,10 +196,12 @@ __device__ __forceinline__ void warpgroup_bar_sync(int id) {
 // Output views for the TMA stores, all 3-D (rows, cols, planes): kRows out (rows, N, 1),
 // kTokensAsK out (M, N, E); tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0
 // and 1: the SwiGLU forward's h, the SwiGLU backward's d_h.
-template <class Cfg, class TmaA, class TmaB, class TmaO>
+// tma_b_mc: B as halves multicast to both CTAs of a cluster (C = 2; with C = 1, tma_b again).
+template <class Cfg, class TmaA, class TmaB, class TmaBmc, class TmaO>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ TmaA tma_a,
-                    const __grid_constant__ TmaB tma_b, const __grid_constant__ TmaO tma_o,
+                    const __grid_constant__ TmaB tma_b, const __grid_constant__ TmaBmc tma_b_mc,
+                    const __grid_constant__ TmaO tma_o,
                     const __grid_constant__ TmaO tma_h, int a_rows, int a_cols, int b_n, int b_k,
                     int b_q) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -212,6 +224,7 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+    if constexpr (Cfg::kCluster == 2) prefetch_tma_descriptor(tma_b_mc.get_tma_descriptor());
     prefetch_tma_descriptor(tma_o.get_tma_descriptor());
     prefetch_tma_descriptor(tma_h.get_tma_descriptor());
     for (int s = 0; s < S; ++s) {
@@ -240,24 +253,27 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
       const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip || task.k_begin >= task.k_end) continue;
       Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
-      auto [tAgA, tAsA] = tma_partition(tma_a, rank, Layout<Int<C>>{}, group_modes<0, 2>(sA),
+      auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
                                         group_modes<0, 2>(gA));
       for (int k = task.k_begin; k < task.k_end; ++k) {
         EmptyBar::wait(&smem.empty[stage], phase ^ 1);
         FullBar::arrive_and_expect_tx(&smem.full[stage], Cfg::kTxBytes);
-        if constexpr (C == 1) {
-          copy(tma_a.with(smem.full[stage]), tAgA(_, k), tAsA(_, stage));
-        } else {
-          copy(tma_a.with(smem.full[stage], uint16_t((1 << C) - 1)), tAgA(_, k), tAsA(_, stage));
-        }
+        copy(tma_a.with(smem.full[stage]), tAgA(_, k), tAsA(_, stage));
         CUTE_UNROLL
         for (int h = 0; h < kSplit; ++h) {
           const int q = Cfg::group == Grouping::kRows ? task.expert * kSplit + h : 0;
           Tensor gB = local_tile(mB(_, _, q), Shape<Int<BNh>, Int<BK>>{},
                                  make_coord(task.n_tile, _));
-          auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(sBbox), group_modes<0, 2>(gB));
-          copy(tma_b.with(smem.full[stage]), tBgB(_, k), tBsB(_, stage * kSplit + h));
+          if (C == 2 && task.share_b) {  // this CTA's half of the box, to both CTAs
+            auto [tBgB, tBsB] = tma_partition(tma_b_mc, rank, Layout<Int<C>>{},
+                                              group_modes<0, 2>(sBbox), group_modes<0, 2>(gB));
+            copy(tma_b_mc.with(smem.full[stage], uint16_t((1 << C) - 1)), tBgB(_, k),
+                 tBsB(_, stage * kSplit + h));
+          } else {
+            auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
+                                              group_modes<0, 2>(sBbox), group_modes<0, 2>(gB));
+            copy(tma_b.with(smem.full[stage]), tBgB(_, k), tBsB(_, stage * kSplit + h));
+          }
         }
         if (++stage == S) { stage = 0; phase ^= 1; }
       }
@@ -364,6 +380,7 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
       release(prev);
       warpgroup_fence_operand(accum);
     }
+    if (!task.store) continue;
 
     // ---------------- epilogue ----------------
     const int m0 = task.m_tile * BM;
