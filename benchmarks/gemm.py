@@ -164,16 +164,23 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cluster", default=None, choices=("1", "2"),
                    help="MOK_GEMM_CLUSTER for our kernels (default: the environment's, else 1)")
+    p.add_argument("--scheduler", default=None, choices=("counter", "static"),
+                   help="MOK_GEMM_SCHEDULER for our kernels (default: the environment's, "
+                        "else counter)")
     p.add_argument("--ops", action="store_true",
                    help="also time every GEMM alone, with torch's and a dense cuBLAS one")
     args = p.parse_args(argv)
     if args.cluster:
         os.environ["MOK_GEMM_CLUSTER"] = args.cluster
+    if args.scheduler:
+        os.environ["MOK_GEMM_SCHEDULER"] = args.scheduler
     device = torch.device("cuda")
     meta = run_metadata(device, args)
     meta["peak_tflops"] = peak = measure_dense_peak(device)
     meta["benchmark"] = "gemm-core"
     meta["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
+    meta["gemm_scheduler"] = ("static" if meta["gemm_cluster"] == "2"
+                              else os.environ.get("MOK_GEMM_SCHEDULER", "counter"))
     timer = Timer(device, FLUSH_BYTES)
     records, op_records = [], []
     print(f"dense BF16 peak {peak:.0f} TFLOP/s")
@@ -215,6 +222,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if meta["gemm_cluster"] == "1" else f"-cluster{meta['gemm_cluster']}"
+    if meta["gemm_cluster"] == "1" and meta["gemm_scheduler"] == "static":
+        suffix += "-static"
     path = out / f"{meta['date']}-{meta['gpu_short']}-gemm-core{suffix}.json"
     result = {"benchmark": "gemm-core", "meta": meta, "records": records}
     if args.ops:

@@ -150,11 +150,14 @@ def test_bitwise_independent_of_grid_size_and_repeatable(monkeypatch):
         return [t[:used] for t in (act, h, y, d_h, dx)] + [dw1, dw2]
 
     base = run(0)
-    for cluster in ("1", "2"):  # the cluster size must not change a bit either
+    # Neither the cluster size nor the scheduler (global task counter or static striding;
+    # clusters always stride) may change a bit.
+    for cluster, scheduler in (("1", "counter"), ("1", "static"), ("2", "static")):
         monkeypatch.setenv("MOK_GEMM_CLUSTER", cluster)
+        monkeypatch.setenv("MOK_GEMM_SCHEDULER", scheduler)
         for max_ctas in (0, 1, 3, 17):
             for a, b in zip(base, run(max_ctas)):
-                assert torch.equal(a, b), (cluster, max_ctas)
+                assert torch.equal(a, b), (cluster, scheduler, max_ctas)
 
 
 @pytest.mark.gpu

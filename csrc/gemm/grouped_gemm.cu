@@ -2,6 +2,7 @@
 // Every op writes into caller-provided outputs and reads the row count and the expert
 // offsets on the device, so nothing here synchronises with the host.
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -38,6 +39,13 @@ using CfgWgradBf16 =
     GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, __nv_bfloat16, C>;
 template <int C>
 using CfgWgradF32 = GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, float, C>;
+
+// MOK_GEMM_SCHEDULER=static: CTA b takes tasks b, b + grid, ...; otherwise (default) tasks
+// come from a global counter zeroed before each launch (single-CTA clusters only).
+bool counter_scheduler() {
+  const char* env = std::getenv("MOK_GEMM_SCHEDULER");
+  return env == nullptr || std::string(env) != "static";
+}
 
 int cluster_size() {
   const char* env = std::getenv("MOK_GEMM_CLUSTER");
@@ -137,6 +145,11 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
       C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
       TORCH_CHECK(max_clusters > 0, "megatron_mok: no cluster of ", C, " CTAs fits this GPU");
     }
+  }
+  at::Tensor counter;  // lives until the launch is queued; the allocator orders its reuse
+  if (C == 1 && counter_scheduler()) {
+    counter = at::zeros({1}, a.options().dtype(at::kInt));
+    p.task_counter = counter.data_ptr<int>();
   }
   int clusters = std::min(max_clusters, p.num_tasks);
   if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));

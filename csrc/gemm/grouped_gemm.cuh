@@ -99,6 +99,9 @@ struct GemmConfig {
     alignas(1024) EpiT epi[2 * 2 * kChunkElems];  // [warpgroup][buffer]
     alignas(8) uint64_t full[Stages];
     alignas(8) uint64_t empty[Stages];
+    alignas(8) uint64_t task_full[2];   // counter scheduler: task ids, producer -> consumers
+    alignas(8) uint64_t task_empty[2];
+    int task_id[2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
@@ -110,6 +113,8 @@ struct GemmParams {
   int rows_cap;           // rows of the row table (capacity)
   int M, N, K;            // kRows: M unused (rows), N = output columns of B (I for SwiGLU)
   int m_tiles, n_tiles, num_tasks;
+  int* task_counter;      // zeroed [1]: tasks are taken from it in order; nullptr: static
+                          // striding (CTA b takes b, b + grid, ...). Clusters use static.
   void* out;              // kRows: [rows, ldo]; kTokensAsK: [E, M, N]
   int64_t ldo;
   __nv_bfloat16* h_out;   // kSwiGLU: optional [rows, 2N] pre-activations
@@ -233,6 +238,10 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
       // per CTA of the cluster (a stage is refilled by both CTAs' multicast).
       EmptyBar::init(&smem.empty[s], C == 1 ? 256 : 2 * C);
     }
+    for (int s = 0; s < 2; ++s) {
+      EmptyBar::init(&smem.task_full[s], 1);
+      EmptyBar::init(&smem.task_empty[s], 256);
+    }
     cutlass::arch::fence_barrier_init();
   }
   if constexpr (C == 1) {
@@ -242,14 +251,33 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     cute::cluster_wait();
   }
 
+  // Task scheduling. Static: CTA (cluster) b takes tasks b, b + grid, ... Counter: the
+  // producer takes the next task from a global counter (tasks start in index order, a CTA
+  // that drew short tiles takes more) and hands it to the consumers through a 2-slot queue
+  // in shared memory (mbarrier arrive/wait order the slot's write and read). Either way a
+  // tile has one owner and a fixed K order, so the results are the same bits.
+  const bool counter = C == 1 && p.task_counter != nullptr;
+  int queue_slot = 0, queue_phase = 0;
+
   if (warpgroup == 0) {
     // ---------------- producer: one thread feeds the ring ----------------
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
     Tensor mA = tma_a.get_tma_tensor(make_shape(a_rows, a_cols));   // (M, K)
     Tensor mB = tma_b.get_tma_tensor(make_shape(b_n, b_k, b_q));    // (N, K, Q)
+    // The next task: t_static, or the counter's next value, published to the consumers
+    // (a value past the last task tells them to stop).
+    auto next_task = [&](int t_static) {
+      if (!counter) return t_static;
+      const int t = atomicAdd(p.task_counter, 1);
+      EmptyBar::wait(&smem.task_empty[queue_slot], queue_phase ^ 1);
+      smem.task_id[queue_slot] = t;
+      EmptyBar::arrive(&smem.task_full[queue_slot]);  // release: the id is visible
+      if (++queue_slot == 2) { queue_slot = 0; queue_phase ^= 1; }
+      return t;
+    };
     int stage = 0, phase = 0;
-    for (int t = cluster; t < p.num_tasks; t += num_clusters) {
+    for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
       const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip || task.k_begin >= task.k_end) continue;
       Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
@@ -353,8 +381,16 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     }
   };
 
+  auto next_task = [&](int t_static) {
+    if (!counter) return t_static;
+    EmptyBar::wait(&smem.task_full[queue_slot], queue_phase);
+    const int t = smem.task_id[queue_slot];
+    EmptyBar::arrive(&smem.task_empty[queue_slot]);
+    if (++queue_slot == 2) { queue_slot = 0; queue_phase ^= 1; }
+    return t;
+  };
   int stage = 0, phase = 0;
-  for (int t = cluster; t < p.num_tasks; t += num_clusters) {
+  for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
     const Task task = decode_task<Cfg>(p, t, rank);
     if (task.skip) continue;
     const bool has_k = task.k_begin < task.k_end;
