@@ -261,7 +261,7 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
 
   if (warpgroup == 0) {
     // ---------------- producer: one thread feeds the ring ----------------
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<56>();
     if (threadIdx.x == 0) {
     Tensor mA = tma_a.get_tma_tensor(make_shape(a_rows, a_cols));   // (M, K)
     Tensor mB = tma_b.get_tma_tensor(make_shape(b_n, b_k, b_q));    // (N, K, Q)
@@ -309,7 +309,7 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     }  // threadIdx.x == 0
   } else {
   // ---------------- consumers: WGMMA + epilogue ----------------
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<224>();
   const int ctid = threadIdx.x - 128;
   typename Cfg::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(ctid);
