@@ -62,8 +62,10 @@ TORCH_LIBRARY(megatron_mok, m) {
         "bool w_transposed, Tensor(a!) out, int max_ctas) -> ()");
   m.def("grouped_dgrad_swiglu(Tensor d_out, Tensor w2, Tensor expert_offsets, Tensor num_rows, "
         "Tensor h, Tensor(a!) d_h, int max_ctas) -> ()");
+  // accumulate: out (fp32) += the gradient, through TMA reduce-add stores (Megatron's
+  // main_grad; one owner per tile, so one add per element: deterministic).
   m.def("grouped_wgrad(Tensor a, Tensor b, Tensor expert_offsets, Tensor(a!) out, "
-        "int max_ctas) -> ()");
+        "bool accumulate, int max_ctas) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

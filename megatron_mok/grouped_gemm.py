@@ -138,9 +138,12 @@ def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
-          out_dtype: torch.dtype = torch.bfloat16, max_ctas: int = 0) -> torch.Tensor:
+          out_dtype: torch.dtype = torch.bfloat16, accumulate_into: Optional[torch.Tensor] = None,
+          max_ctas: int = 0) -> torch.Tensor:
     """out [E, M, N], out[e] = a[rows of e]^T @ b[rows of e] (tokens as K, row-table order;
-    an expert without rows gets zeros)."""
+    an expert without rows gets zeros). With `accumulate_into` (a contiguous fp32 [E, M, N],
+    e.g. Megatron's main_grad) the gradient is added into it instead (TMA reduce-add
+    stores: one add per element, deterministic) and that tensor is returned."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"megatron_mok: wgrad out_dtype must be bfloat16 or float32, "
                         f"got {out_dtype}")
@@ -152,7 +155,17 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
     num_experts = expert_offsets.numel() - 1
     _check_table(a.shape[0], expert_offsets, num_experts, None)
     _check_multiple_of_8(m=a.shape[1], n=b.shape[1])
-    _check_cuda(a=a, b=b, expert_offsets=expert_offsets)
-    out = a.new_empty(num_experts, a.shape[1], b.shape[1], dtype=out_dtype)
-    torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, max_ctas)
+    shape = (num_experts, a.shape[1], b.shape[1])
+    if accumulate_into is not None:
+        _check("accumulate_into", accumulate_into, 3, torch.float32)
+        if tuple(accumulate_into.shape) != shape:
+            raise ValueError(f"megatron_mok: accumulate_into must be {list(shape)}, got "
+                             f"{list(accumulate_into.shape)}")
+    _check_cuda(a=a, b=b, expert_offsets=expert_offsets, accumulate_into=accumulate_into)
+    if accumulate_into is not None:
+        torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, accumulate_into, True,
+                                             max_ctas)
+        return accumulate_into
+    out = a.new_empty(*shape, dtype=out_dtype)
+    torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, False, max_ctas)
     return out

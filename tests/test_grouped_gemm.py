@@ -119,6 +119,29 @@ def test_backward_ops_match_fp32(routing, hidden, inter, cluster):
 
 
 @pytest.mark.gpu
+def test_wgrad_accumulates_into_fp32_main_grad(cluster):
+    """Megatron's gradient-accumulation fusion: main_grad += dW with one fp32 add per element,
+    so it equals main_grad + (the fp32 wgrad) bit for bit, twice in a row."""
+    offsets, num_rows, capacity, real = _row_table(COUNTS["ragged"])
+    a = _rows(capacity, 200, real, seed=21)
+    b = _rows(capacity, 320, real, seed=22)
+    E = offsets.numel() - 1
+    g = torch.Generator().manual_seed(23)
+    main_grad = torch.randn(E, 200, 320, generator=g).cuda()
+    start = main_grad.clone()
+    dw = gg.wgrad(a, b, offsets, out_dtype=torch.float32)
+    assert gg.wgrad(a, b, offsets, accumulate_into=main_grad) is main_grad
+    assert torch.equal(main_grad, start + dw)
+    gg.wgrad(a, b, offsets, accumulate_into=main_grad)
+    assert torch.equal(main_grad, (start + dw) + dw)
+    for e, lo, hi in _segments(offsets):  # and dw itself is right (empty experts add 0)
+        ref = a[lo:hi].float().t() @ b[lo:hi].float() if hi > lo else torch.zeros_like(dw[e])
+        assert rel_l2(main_grad[e] - start[e], 2 * ref) < TOL or hi == lo, e
+        if hi == lo:
+            assert torch.equal(main_grad[e], start[e])
+
+
+@pytest.mark.gpu
 def test_rows_past_num_rows_are_not_computed(cluster):
     offsets, num_rows, capacity, real = _row_table([200, 60], extra_tiles=3)
     x = _rows(capacity, 256, real, seed=9)
@@ -216,3 +239,7 @@ def test_bad_inputs_raise_before_launch():
         gg.wgrad(x, x, offsets, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="same rows"):
         gg.wgrad(x, x[:64], offsets)
+    with pytest.raises(TypeError, match="accumulate_into must be torch.float32"):
+        gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1, 64, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"accumulate_into must be \[1, 64, 64\]"):
+        gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1, 64, 32))

@@ -78,19 +78,21 @@ struct OutView {
 
 OutView rows_view(const at::Tensor& t) { return {t.data_ptr(), t.size(0), t.size(1), 1, t.size(1), 0}; }
 
-template <class Cfg>
+// kReduce: the TMA store adds into the output (fp32 accumulation) instead of writing it.
+template <class Cfg, bool kReduce = false>
 auto make_store_atom(const OutView& v) {
   using T = typename Cfg::EpiT;
   auto m = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(v.ptr)),
                        make_shape(int(v.rows), int(v.cols), int(v.planes)),
                        make_stride(v.ld, _1{}, v.plane_stride));
-  return make_tma_atom(SM90_TMA_STORE{}, m, typename Cfg::EpiLayout{},
+  using StoreOp = std::conditional_t<kReduce, SM90_TMA_REDUCE_ADD, SM90_TMA_STORE>;
+  return make_tma_atom(StoreOp{}, m, typename Cfg::EpiLayout{},
                        Shape<_64, Int<Cfg::kChunkCols>>{});
 }
 
 // out: the output (kRows: rows x N; kTokensAsK: M x N x E); h: the SwiGLU pre-activations
 // as (rows, I, 2) when stored, else the same view as out (unused).
-template <class Cfg>
+template <class Cfg, bool kReduce = false>
 void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, int a_rows,
             int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
             int b_q, const OutView& out, const OutView& h, int64_t max_ctas) {
@@ -113,8 +115,8 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
                            BoxB{}, Int<C>{});
     }
   }();
-  auto tma_o = make_store_atom<Cfg>(out);
-  auto tma_h = make_store_atom<Cfg>(h);
+  auto tma_o = make_store_atom<Cfg, kReduce>(out);
+  auto tma_h = make_store_atom<Cfg, kReduce>(h);
   auto kernel =
       &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b), decltype(tma_b_mc),
                                  decltype(tma_o)>;
@@ -279,7 +281,7 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
 }
 
 void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
-                        const at::Tensor& out, int64_t max_ctas) {
+                        const at::Tensor& out, bool accumulate, int64_t max_ctas) {
   check_bf16_cuda(a, "a", 2);
   check_bf16_cuda(b, "b", 2);
   TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 3 &&
@@ -296,9 +298,11 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   TORCH_CHECK(b.device() == a.device() && out.device() == a.device() &&
                   offsets.device() == a.device(),
               "megatron_mok: wgrad operands must be on one device");
+  TORCH_CHECK(!accumulate || out.scalar_type() == at::kFloat,
+              "megatron_mok: wgrad accumulates into fp32 only");
   c10::cuda::CUDAGuard guard(a.device());
   if (R == 0) {  // no tokens: zero gradients (no TMA descriptor over an empty tensor)
-    out.zero_();
+    if (!accumulate) out.zero_();
     return;
   }
   GemmParams p{};
@@ -320,7 +324,13 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
                           make_stride(_1{}, N, N * R), int(N), int(R), 1, out_view, out_view,
                           max_ctas);
   };
-  if (out.scalar_type() == at::kFloat) {
+  if (accumulate) {
+    with_cluster<CfgWgradF32>([&](auto cfg) {
+      launch<decltype(cfg), true>(p, a, make_stride(_1{}, M), int(M), int(R), b,
+                                  make_stride(_1{}, N, N * R), int(N), int(R), 1, out_view,
+                                  out_view, max_ctas);
+    });
+  } else if (out.scalar_type() == at::kFloat) {
     with_cluster<CfgWgradF32>(run);
   } else {
     with_cluster<CfgWgradBf16>(run);
