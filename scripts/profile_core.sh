@@ -9,16 +9,19 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 shape=${SHAPE:-deepseek-v3}
 for op in ${OPS:-fc1 fc2 dgrad_swiglu wgrad_fc1 torch_fc1}; do
+  # Our ops launch a counter-zeroing fill first: profile the GEMM kernel by name.
+  kernel=grouped_gemm_kernel
+  [ "$op" = torch_fc1 ] && kernel='device_kernel'  # CUTLASS's, not its set-up kernel
   if command -v ncu > /dev/null; then
     # Only the last call of the op runs inside cudaProfilerStart/Stop (set-up launches the
     # core too); the first ncu pass takes the sections, the second the stall reasons and
     # the tensor-pipe activity as raw metrics.
-    ncu --profile-from-start off --launch-count 1 \
+    ncu --profile-from-start off --launch-count 1 -k "regex:$kernel" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section ComputeWorkloadAnalysis --section SchedulerStats --section LaunchStats \
         $PY -m benchmarks.profile_core --shape "$shape" --op "$op" --iters 2 \
         > "$OUT/ncu_${shape}_${op}.txt" 2>&1
-    ncu --profile-from-start off --launch-count 1 \
+    ncu --profile-from-start off --launch-count 1 -k "regex:$kernel" \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,regex:sm__pipe_tensor.*cycles_active.avg.pct_of_peak_sustained_(active|elapsed),regex:sm__inst_executed_pipe_tensor.*sum,lts__t_bytes.sum.per_second,l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second" \
         $PY -m benchmarks.profile_core --shape "$shape" --op "$op" --iters 2 \
         > "$OUT/ncu_metrics_${shape}_${op}.txt" 2>&1
