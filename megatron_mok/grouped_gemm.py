@@ -138,12 +138,17 @@ def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
-          out_dtype: torch.dtype = torch.bfloat16, accumulate_into: Optional[torch.Tensor] = None,
+          out_dtype: Optional[torch.dtype] = None,
+          accumulate_into: Optional[torch.Tensor] = None,
           max_ctas: int = 0) -> torch.Tensor:
     """out [E, M, N], out[e] = a[rows of e]^T @ b[rows of e] (tokens as K, row-table order;
     an expert without rows gets zeros). With `accumulate_into` (a contiguous fp32 [E, M, N],
-    e.g. Megatron's main_grad) the gradient is added into it instead (TMA reduce-add
-    stores: one add per element, deterministic) and that tensor is returned."""
+    e.g. Megatron's main_grad, 16-byte aligned) the gradient is added into it instead (TMA
+    reduce-add stores: one add per element, deterministic) and that tensor is returned.
+    out_dtype: bfloat16 (default) or float32; with accumulate_into only float32."""
+    if accumulate_into is not None and out_dtype not in (None, torch.float32):
+        raise TypeError(f"megatron_mok: wgrad accumulates in float32, got out_dtype={out_dtype}")
+    out_dtype = out_dtype or torch.bfloat16
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"megatron_mok: wgrad out_dtype must be bfloat16 or float32, "
                         f"got {out_dtype}")
@@ -161,6 +166,9 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
         if tuple(accumulate_into.shape) != shape:
             raise ValueError(f"megatron_mok: accumulate_into must be {list(shape)}, got "
                              f"{list(accumulate_into.shape)}")
+        if accumulate_into.data_ptr() % 16:
+            raise ValueError("megatron_mok: accumulate_into must be 16-byte aligned (TMA "
+                             "stores); add a separately computed gradient instead")
     _check_cuda(a=a, b=b, expert_offsets=expert_offsets, accumulate_into=accumulate_into)
     if accumulate_into is not None:
         torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, accumulate_into, True,

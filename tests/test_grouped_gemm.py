@@ -15,7 +15,8 @@ TOL = 1e-2
 
 @pytest.fixture(params=["1", "2"], ids=["cluster1", "cluster2"])
 def cluster(request, monkeypatch):
-    """MOK_GEMM_CLUSTER: 1 (default) or 2 (CTA pairs multicasting the A tile)."""
+    """MOK_GEMM_CLUSTER: 1 (default) or 2 (CTA pairs on neighbouring row tiles multicasting
+    the B tile)."""
     monkeypatch.setenv("MOK_GEMM_CLUSTER", request.param)
     return request.param
 
@@ -243,3 +244,8 @@ def test_bad_inputs_raise_before_launch():
         gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1, 64, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"accumulate_into must be \[1, 64, 64\]"):
         gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1, 64, 32))
+    with pytest.raises(ValueError, match="accumulate_into must be 16-byte aligned"):
+        gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1 + 64 * 64)[1:].view(1, 64, 64))
+    with pytest.raises(TypeError, match="wgrad accumulates in float32"):
+        gg.wgrad(x, x, offsets, out_dtype=torch.bfloat16,
+                 accumulate_into=torch.zeros(1, 64, 64))

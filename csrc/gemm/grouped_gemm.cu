@@ -300,6 +300,8 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
               "megatron_mok: wgrad operands must be on one device");
   TORCH_CHECK(!accumulate || out.scalar_type() == at::kFloat,
               "megatron_mok: wgrad accumulates into fp32 only");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "megatron_mok: wgrad's output must be 16-byte aligned (TMA stores)");
   c10::cuda::CUDAGuard guard(a.device());
   if (R == 0) {  // no tokens: zero gradients (no TMA descriptor over an empty tensor)
     if (!accumulate) out.zero_();

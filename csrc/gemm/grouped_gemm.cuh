@@ -194,6 +194,10 @@ __device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
 
+// CUTLASS's mbarrier wait/arrive asm has no "memory" clobber: without this the compiler
+// could move the task queue's plain smem access across them.
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
 __device__ __forceinline__ void warpgroup_bar_sync(int id) {
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
@@ -271,7 +275,9 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
       if (!counter) return t_static;
       const int t = atomicAdd(p.task_counter, 1);
       EmptyBar::wait(&smem.task_empty[queue_slot], queue_phase ^ 1);
+      compiler_fence();
       smem.task_id[queue_slot] = t;
+      compiler_fence();
       EmptyBar::arrive(&smem.task_full[queue_slot]);  // release: the id is visible
       if (++queue_slot == 2) { queue_slot = 0; queue_phase ^= 1; }
       return t;
@@ -384,7 +390,9 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   auto next_task = [&](int t_static) {
     if (!counter) return t_static;
     EmptyBar::wait(&smem.task_full[queue_slot], queue_phase);
+    compiler_fence();
     const int t = smem.task_id[queue_slot];
+    compiler_fence();
     EmptyBar::arrive(&smem.task_empty[queue_slot]);
     if (++queue_slot == 2) { queue_slot = 0; queue_phase ^= 1; }
     return t;
