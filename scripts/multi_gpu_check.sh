@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# EP 2/4/8 correctness with one process per GPU (multi-GPU H200 machine, extension built):
-# the EP tests of tests/test_gpu_backend.py with rank r on GPU r, NVLink multicast off.
-# Logs under ${OUT:-gpu_out}/. The EP layer benchmark and end-to-end runs are not here yet.
+# Multi-GPU H200 machine (extension built), one process per GPU, NVLink multicast off:
+#   1. the EP tests of tests/test_gpu_backend.py with rank r on GPU r (EP 2/4/8);
+#   2. the EP layer benchmark (benchmarks.layer_ep: mok vs PyTorch + NCCL all-to-all) at
+#      EP = 2, 4 and 8 (as many as the GPUs allow), results under $OUT/.
+# Env: SKIP_TESTS=1, SKIP_BENCH=1, BENCH_ARGS (extra benchmark flags, e.g. "--shapes
+# deepseek-v3 --tokens 8192"). Megatron's alltoall/flex at EP > 1 and the end-to-end
+# Qwen3 run are not here yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -10,5 +14,16 @@ ngpu=$(nvidia-smi -L | wc -l)
 echo "GPUs: $ngpu"
 sel="ep_ranks_sharing_one_gpu and not 8-"
 [ "$ngpu" -ge 8 ] && sel="ep_ranks_sharing_one_gpu"
-$PY -m pytest -q -ra -m gpu tests/test_gpu_backend.py -k "$sel" 2>&1 | tee "$OUT/multi_gpu_tests.log" | tail -15
-exit "${PIPESTATUS[0]}"
+rc=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  $PY -m pytest -q -ra -m gpu tests/test_gpu_backend.py -k "$sel" 2>&1 | tee "$OUT/multi_gpu_tests.log" | tail -15
+  rc=${PIPESTATUS[0]}
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  for ep in 2 4 8; do
+    [ "$ep" -le "$ngpu" ] || continue
+    $PY -m torch.distributed.run --standalone --nproc_per_node "$ep" -m benchmarks.layer_ep \
+        --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/layer_ep${ep}.log" | grep -vE "^\s*$" | tail -40
+  done
+fi
+exit "$rc"

@@ -392,3 +392,31 @@ def test_report_merges_runs(tmp_path):
     readme.write_text(README_TEXT)
     assert R.main([str(first), str(second), "--readme", str(readme), "--no-plot"]) == 0
     assert "780–788 TFLOP/s" in readme.read_text()
+
+
+def _layer_ep_ranks(rank, world_size, out_dir):
+    import torch.distributed as dist
+    from benchmarks import layer_ep
+    args = layer_ep.parse_args(["--device", "cpu", "--shapes", "tiny", "--tokens", "32",
+                                "--routing", "balanced,skewed", "--warmup", "0", "--iters", "2",
+                                "--out", out_dir])
+    records = layer_ep.run(args, dist.group.WORLD, torch.device("cpu"))
+    assert len(records) == 2 * 2 * 2  # routings x backends x passes
+    for r in records:
+        assert r["correct"], r
+        assert r["ep"] == world_size and r["E_loc"] == r["E"] // world_size
+        assert r["ms"] > 0 and r["nvlink_bytes_per_gpu"] > 0
+
+
+def test_layer_ep_harness_on_two_gloo_ranks(tmp_path):
+    """benchmarks.layer_ep at EP=2 on CPU: mok (reference backend) and the all-to-all
+    baseline agree with the EP reference, and rank 0 writes the results file."""
+    import json
+    from dist_utils import run_distributed
+    run_distributed(_layer_ep_ranks, 2, str(tmp_path))
+    files = list(tmp_path.glob("*-layer-ep2.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert data["meta"]["ep"] == 2 and len(data["records"]) == 8
+    mok = [r for r in data["records"] if r["backend"] == "mok"]
+    assert all("torch-a2a" in r["speedup"] for r in mok)
