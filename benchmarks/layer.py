@@ -348,13 +348,35 @@ def te_available() -> bool:
         return False
 
 
+def init_megatron_ep(device: torch.device, ep_size: int, seed: int = 0) -> None:
+    """Megatron's parallel_state with EP = the whole (already initialised) world."""
+    global _MEGATRON_READY
+    if _MEGATRON_READY:
+        return
+    if device.type == "cpu":
+        from megatron_mok.megatron.cpu_shims import apply_cpu_shims
+        apply_cpu_shims()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                                 pipeline_model_parallel_size=1,
+                                                 expert_model_parallel_size=ep_size)
+    model_parallel_cuda_manual_seed(seed)
+    _MEGATRON_READY = True
+
+
 def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torch.device, *,
                              use_te: bool, permute_fusion: bool, act_fusion: bool,
-                             seed: int = 0):
-    """Megatron-Core's MoELayer with the `alltoall` dispatcher on one rank, its experts
-    module from Megatron's own spec (TEGroupedMLP with TE, else SequentialMLP), weights
-    copied from the benchmark's. The router is built but bypassed (see MegatronBackend)."""
-    init_megatron_single_rank(device, seed)
+                             seed: int = 0, ep_size: int = 1):
+    """Megatron-Core's MoELayer with the `alltoall` dispatcher (EP = ep_size over the
+    whole world; 1: a one-rank world of its own), its experts module from Megatron's own
+    spec (TEGroupedMLP with TE, else SequentialMLP), weights copied from the benchmark's.
+    The router is built but bypassed (see MegatronBackend)."""
+    if ep_size == 1:
+        init_megatron_single_rank(device, seed)
+    else:
+        init_megatron_ep(device, ep_size, seed)
     import megatron_mok.megatron  # noqa: F401  (the plugin; only expert_weight_list is used)
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
@@ -365,7 +387,8 @@ def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torc
     heads = 8 if h % 8 == 0 else 1
     config = TransformerConfig(
         num_layers=1, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=local.inter,
-        moe_ffn_hidden_size=local.inter, num_moe_experts=e_loc, moe_router_topk=local.topk,
+        moe_ffn_hidden_size=local.inter, num_moe_experts=e_loc * ep_size,
+        moe_router_topk=local.topk,
         moe_shared_expert_intermediate_size=local.shared_inter or None,
         moe_token_dispatcher_type="alltoall", moe_grouped_gemm=use_te,
         moe_permute_fusion=permute_fusion, gated_linear_unit=True, activation_func=F.silu,
@@ -374,8 +397,9 @@ def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torc
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         perform_initialization=False, use_cpu_initialization=device.type == "cpu",
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=1, expert_model_parallel_size=1, sequence_parallel=False)
-    builder = get_moe_module_spec(use_te=use_te, num_experts=e_loc, moe_grouped_gemm=use_te)
+        tensor_model_parallel_size=1, expert_model_parallel_size=ep_size, sequence_parallel=False)
+    builder = get_moe_module_spec(use_te=use_te, num_experts=e_loc * ep_size,
+                                  moe_grouped_gemm=use_te)
     layer = builder(config=config, pg_collection=get_default_pg_collection())
     layer = layer.to(device).train()
 
@@ -407,9 +431,11 @@ class MegatronBackend(Backend):
 
     name = "megatron-alltoall"
 
-    def __init__(self, local: S.LocalShape, weights: Weights, device, seed: int = 0):
+    def __init__(self, local: S.LocalShape, weights: Weights, device, seed: int = 0,
+                 ep_size: int = 1):
         super().__init__(weights)
         self.local = local
+        self.ep_size = ep_size
         self.device = torch.device(device)
         self._route = None
         # Megatron-LM's defaults first (TE grouped GEMM + fused permute where TE imports,
@@ -424,7 +450,7 @@ class MegatronBackend(Backend):
             try:
                 self.layer, (self.fc1, self.fc2), self.info = build_megatron_moe_layer(
                     local, weights, self.device, use_te=use_te, permute_fusion=permute_fusion,
-                    act_fusion=act_fusion, seed=seed)
+                    act_fusion=act_fusion, seed=seed, ep_size=ep_size)
                 self.layer.route = self._fixed_route
                 self._smoke_test(seed)
                 break
@@ -451,7 +477,7 @@ class MegatronBackend(Backend):
             t.grad = None
 
     def prepare(self, case):
-        t, e = case.num_tokens, self.local.num_local_experts
+        t, e = case.num_tokens, self.local.num_local_experts * self.ep_size  # global ids
         idx = case.topk_idx.long()
         probs = torch.zeros(t, e, dtype=torch.float32, device=case.x.device)
         probs.scatter_(1, idx, case.topk_w.float())

@@ -13,8 +13,11 @@ routed over all E experts (per-rank seeds). Backends:
              sync, as such baselines do), rows and expert ids sent with all_to_all_single,
              grouped GEMMs on the received rows, rows sent back, fp32 weighted sum.
 
-Megatron's `alltoall` / `flex` (DeepEP, HybridEP) dispatchers at EP > 1 are not in this
-harness yet. Before timing, each backend's output and gradients are checked against
+  megatron-alltoall  Megatron-Core's MoELayer with the `alltoall` dispatcher at EP = world
+             (benchmarks.layer's MegatronBackend: TE grouped GEMM where TE imports, else
+             SequentialMLP; the router is bypassed with the benchmark's routing).
+
+Megatron's `flex` dispatcher (DeepEP, HybridEP) is not in this harness yet. Before timing, each backend's output and gradients are checked against
 megatron_mok.reference.moe_reference over the same group (relative L2 <= 1e-2). A time
 is the median over iterations on a rank, then the maximum over ranks (the ranks start
 each measurement at a barrier; L2 flushed before every iteration). NVLink bytes per GPU: routed rows that leave or come back
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 from benchmarks import layer as L
 from benchmarks import shapes as S
 
-BACKENDS = ("mok", "torch-a2a")
+BACKENDS = ("mok", "torch-a2a", "megatron-alltoall")
 
 
 def torch_a2a_moe(x, topk_idx, topk_w, w1, w2, shared_w1=None, shared_w2=None, *, group=None):
@@ -99,34 +102,54 @@ class MokEPBackend(L.MokBackend):
                               group=self.group, config=self.config)
 
 
+class ReferenceEP(L.Backend):
+    name = "reference"
+
+    def __init__(self, weights, group):
+        super().__init__(weights)
+        self.group = group
+
+    def run(self, inp):
+        from megatron_mok.reference import moe_reference
+        return moe_reference(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors(),
+                             group=self.group)
+
+
 def ep_check(backend, case, weights, group) -> dict:
     """Forward output and every gradient vs the EP reference (same group, same inputs)."""
-    from megatron_mok.reference import moe_reference
-
-    def run(fn, leaves):
+    def run(b):
+        inp = b.prepare(case)
+        leaves = b.leaves(inp)
         for t in leaves:
             t.grad = None
-        y = fn()
-        torch.autograd.backward(y, case.dy)
-        return y.detach(), [t.grad.detach().clone() for t in leaves]
+        with torch.enable_grad():
+            y = b.run(inp)
+            torch.autograd.backward(y, case.dy)
+        grads = {k: v.detach().clone() for k, v in b.grads(inp).items() if v is not None}
+        for t in leaves:
+            t.grad = None
+        return y.detach(), grads
 
-    inp = backend.prepare(case)
-    leaves = backend.leaves(inp)
-    with torch.enable_grad():
-        y, grads = run(lambda: backend.run(inp), leaves)
-        ref_inp = L.Backend(weights).prepare(case)
-        ref_leaves = [ref_inp["x"], ref_inp["topk_w"], *weights.leaves()]
-        y_ref, ref_grads = run(lambda: moe_reference(ref_inp["x"], case.topk_idx,
-                                                     ref_inp["topk_w"], *weights.tensors(),
-                                                     group=group), ref_leaves)
-    for t in leaves + ref_leaves:
-        t.grad = None
-    errs = torch.tensor([L.rel_l2(y, y_ref)] + [L.rel_l2(g, r) for g, r in zip(grads, ref_grads)],
+    y, grads = run(backend)
+    y_ref, ref = run(ReferenceEP(weights, group))
+    keys = [k for k in ref if k in grads]
+    errs = torch.tensor([L.rel_l2(y, y_ref)] + [L.rel_l2(grads[k], ref[k]) for k in keys],
                         dtype=torch.float64, device=y.device)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)  # the worst rank decides
     errs = errs.tolist()
     return {"fwd_rel_l2": errs[0], "bwd_rel_l2_max": max(errs[1:]),
-            "finite": all(e == e for e in errs)}
+            "bwd_rel_l2": dict(zip(keys, errs[1:])), "finite": all(e == e for e in errs)}
+
+
+def make_ep_backend(name, local, weights, device, group, args):
+    if name == "mok":
+        return MokEPBackend(weights, device, group, args.mok_backend)
+    if name == "torch-a2a":
+        return TorchA2ABackend(weights, device, group)
+    if name == "megatron-alltoall":
+        return L.MegatronBackend(local, weights, device, seed=args.seed,
+                                 ep_size=dist.get_world_size(group))
+    raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
 
 
 def crossing_bytes(case, experts_local: int, rank: int) -> int:
@@ -178,8 +201,7 @@ def run(args, group, device) -> list:
                 moved = mean_over_ranks(crossing_bytes(case, local.num_local_experts, rank),
                                         group)
                 for name in args.backends.split(","):
-                    backend = (MokEPBackend(weights, device, group, args.mok_backend)
-                               if name == "mok" else TorchA2ABackend(weights, device, group))
+                    backend = make_ep_backend(name, local, weights, device, group, args)
                     check = ep_check(backend, case, weights, group)
                     for which in args.passes.split(","):
                         timed = L.time_forward if which == "fwd" else L.time_backward

@@ -401,7 +401,7 @@ def _layer_ep_ranks(rank, world_size, out_dir):
                                 "--routing", "balanced,skewed", "--warmup", "0", "--iters", "2",
                                 "--out", out_dir])
     records = layer_ep.run(args, dist.group.WORLD, torch.device("cpu"))
-    assert len(records) == 2 * 2 * 2  # routings x backends x passes
+    assert len(records) == 2 * 3 * 2  # routings x backends x passes
     for r in records:
         assert r["correct"], r
         assert r["ep"] == world_size and r["E_loc"] == r["E"] // world_size
@@ -409,14 +409,15 @@ def _layer_ep_ranks(rank, world_size, out_dir):
 
 
 def test_layer_ep_harness_on_two_gloo_ranks(tmp_path):
-    """benchmarks.layer_ep at EP=2 on CPU: mok (reference backend) and the all-to-all
-    baseline agree with the EP reference, and rank 0 writes the results file."""
+    """benchmarks.layer_ep at EP=2 on CPU: mok (reference backend), the all-to-all
+    baseline and Megatron's alltoall MoELayer at EP=2 agree with the EP reference, and
+    rank 0 writes the results file."""
     import json
     from dist_utils import run_distributed
     run_distributed(_layer_ep_ranks, 2, str(tmp_path))
     files = list(tmp_path.glob("*-layer-ep2.json"))
     assert len(files) == 1
     data = json.loads(files[0].read_text())
-    assert data["meta"]["ep"] == 2 and len(data["records"]) == 8
+    assert data["meta"]["ep"] == 2 and len(data["records"]) == 12
     mok = [r for r in data["records"] if r["backend"] == "mok"]
     assert all("torch-a2a" in r["speedup"] for r in mok)
