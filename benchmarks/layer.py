@@ -368,11 +368,12 @@ def init_megatron_ep(device: torch.device, ep_size: int, seed: int = 0) -> None:
 
 def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torch.device, *,
                              use_te: bool, permute_fusion: bool, act_fusion: bool,
-                             seed: int = 0, ep_size: int = 1):
+                             seed: int = 0, ep_size: int = 1, flex_backend: str = ""):
     """Megatron-Core's MoELayer with the `alltoall` dispatcher (EP = ep_size over the
     whole world; 1: a one-rank world of its own), its experts module from Megatron's own
     spec (TEGroupedMLP with TE, else SequentialMLP), weights copied from the benchmark's.
-    The router is built but bypassed (see MegatronBackend)."""
+    The router is built but bypassed (see MegatronBackend). flex_backend ("deepep",
+    "hybridep"): the `flex` dispatcher with that backend instead of `alltoall`."""
     if ep_size == 1:
         init_megatron_single_rank(device, seed)
     else:
@@ -390,7 +391,9 @@ def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torc
         moe_ffn_hidden_size=local.inter, num_moe_experts=e_loc * ep_size,
         moe_router_topk=local.topk,
         moe_shared_expert_intermediate_size=local.shared_inter or None,
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=use_te,
+        moe_token_dispatcher_type="flex" if flex_backend else "alltoall",
+        **({"moe_flex_dispatcher_backend": flex_backend} if flex_backend else {}),
+        moe_grouped_gemm=use_te,
         moe_permute_fusion=permute_fusion, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, bias_activation_fusion=act_fusion, bf16=True,
         params_dtype=torch.bfloat16, moe_router_dtype="fp32",
@@ -432,8 +435,10 @@ class MegatronBackend(Backend):
     name = "megatron-alltoall"
 
     def __init__(self, local: S.LocalShape, weights: Weights, device, seed: int = 0,
-                 ep_size: int = 1):
+                 ep_size: int = 1, flex_backend: str = ""):
         super().__init__(weights)
+        if flex_backend:
+            self.name = f"megatron-flex-{flex_backend}"
         self.local = local
         self.ep_size = ep_size
         self.device = torch.device(device)
@@ -450,7 +455,8 @@ class MegatronBackend(Backend):
             try:
                 self.layer, (self.fc1, self.fc2), self.info = build_megatron_moe_layer(
                     local, weights, self.device, use_te=use_te, permute_fusion=permute_fusion,
-                    act_fusion=act_fusion, seed=seed, ep_size=ep_size)
+                    act_fusion=act_fusion, seed=seed, ep_size=ep_size,
+                    flex_backend=flex_backend)
                 self.layer.route = self._fixed_route
                 self._smoke_test(seed)
                 break

@@ -17,7 +17,9 @@ routed over all E experts (per-rank seeds). Backends:
              (benchmarks.layer's MegatronBackend: TE grouped GEMM where TE imports, else
              SequentialMLP; the router is bypassed with the benchmark's routing).
 
-Megatron's `flex` dispatcher (DeepEP, HybridEP) is not in this harness yet. Before timing, each backend's output and gradients are checked against
+  megatron-flex-deepep / megatron-flex-hybridep
+             the same layer with Megatron's `flex` dispatcher on DeepEP / HybridEP, whenever
+             the environment's `deep_ep` provides them (skipped with the reason otherwise). Before timing, each backend's output and gradients are checked against
 megatron_mok.reference.moe_reference over the same group (relative L2 <= 1e-2). A time
 is the median over iterations on a rank, then the maximum over ranks (the ranks start
 each measurement at a barrier; L2 flushed before every iteration). NVLink bytes per GPU: routed rows that leave or come back
@@ -43,7 +45,11 @@ import torch.nn.functional as F
 from benchmarks import layer as L
 from benchmarks import shapes as S
 
-BACKENDS = ("mok", "torch-a2a", "megatron-alltoall")
+BACKENDS = ("mok", "torch-a2a", "megatron-alltoall", "megatron-flex-deepep",
+            "megatron-flex-hybridep")
+# The flex backends need the user's DeepEP build (deep_ep.Buffer / deep_ep.HybridEPBuffer);
+# without it they are recorded as skipped, with the reason.
+FLEX_NEEDS = {"megatron-flex-deepep": "Buffer", "megatron-flex-hybridep": "HybridEPBuffer"}
 
 
 def torch_a2a_moe(x, topk_idx, topk_w, w1, w2, shared_w1=None, shared_w2=None, *, group=None):
@@ -149,7 +155,24 @@ def make_ep_backend(name, local, weights, device, group, args):
     if name == "megatron-alltoall":
         return L.MegatronBackend(local, weights, device, seed=args.seed,
                                  ep_size=dist.get_world_size(group))
+    if name in FLEX_NEEDS:
+        return L.MegatronBackend(local, weights, device, seed=args.seed,
+                                 ep_size=dist.get_world_size(group),
+                                 flex_backend=name.rsplit("-", 1)[1])
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+
+
+def unavailable(name: str) -> str:
+    """Why backend `name` cannot run here ("" if it can)."""
+    if name not in FLEX_NEEDS:
+        return ""
+    try:
+        import deep_ep
+    except Exception as err:  # not installed, or built for another torch
+        return f"deep_ep not importable ({type(err).__name__}: {err})"
+    if not hasattr(deep_ep, FLEX_NEEDS[name]):
+        return f"deep_ep has no {FLEX_NEEDS[name]}"
+    return ""
 
 
 def crossing_bytes(case, experts_local: int, rank: int) -> int:
@@ -201,6 +224,15 @@ def run(args, group, device) -> list:
                 moved = mean_over_ranks(crossing_bytes(case, local.num_local_experts, rank),
                                         group)
                 for name in args.backends.split(","):
+                    reason = unavailable(name)  # the same on every rank
+                    if reason:
+                        for which in args.passes.split(","):
+                            records.append(L.make_record(
+                                meta, shape, local, num_tokens, routing, name, which, peak,
+                                info={"skipped": reason}, error=f"skipped: {reason}"))
+                        if rank == 0:
+                            print(f"{shape_name:14} {name}: skipped, {reason}", flush=True)
+                        continue
                     backend = make_ep_backend(name, local, weights, device, group, args)
                     check = ep_check(backend, case, weights, group)
                     for which in args.passes.split(","):
