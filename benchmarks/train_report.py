@@ -4,7 +4,9 @@
     python -m benchmarks.train_report LOG... [--out DIR]
 
 Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2}. Tokens/s is the
-median over steps after the first 5 (warm-up). Writes <date>-<gpu>-train-ep1.json.
+median over steps after the first 5 (warm-up); a config named `<name>-ep<N>` ran on N GPUs
+and also gets tokens/s per GPU. Writes <date>-h200-train-ep1.json (…-train-ep<N>.json when
+every config is an EP-N run).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def parse(path: Path) -> dict:
             "tokens_per_s": [s[3] for s in steps]}
 
 
+def num_gpus(cfg: str) -> int:
+    """GPUs of a config's run: N for `<name>-ep<N>` (one process per GPU), else 1."""
+    m = re.search(r"-ep(\d+)$", cfg)
+    return int(m[1]) if m else 1
+
+
 def summarise(runs: dict) -> dict:
     out = {}
     for cfg, by_run in sorted(runs.items()):
@@ -47,6 +55,10 @@ def summarise(runs: dict) -> dict:
             entry["tokens_per_s"] = {"mok": tput(mok), "alltoall": tput(a2a)}
             if entry["tokens_per_s"]["alltoall"]:
                 entry["speedup"] = entry["tokens_per_s"]["mok"] / entry["tokens_per_s"]["alltoall"]
+            gpus = num_gpus(cfg)
+            entry["gpus"] = gpus
+            entry["tokens_per_s_per_gpu"] = {k: (v / gpus if v else v)
+                                             for k, v in entry["tokens_per_s"].items()}
         if mok and mok2 and mok["loss"]:
             entry["mok_runs_identical"] = mok["loss"] == mok2["loss"]
         out[cfg] = entry
@@ -68,7 +80,9 @@ def main(argv=None) -> int:
         print(cfg, {k: v for k, v in e.items() if k != "runs"})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{datetime.date.today().isoformat()}-h200-train-ep1.json"
+    gpus = {num_gpus(cfg) for cfg in summary} or {1}
+    ep = gpus.pop() if len(gpus) == 1 else 1
+    path = out / f"{datetime.date.today().isoformat()}-h200-train-ep{ep}.json"
     path.write_text(json.dumps({"benchmark": "train-ep1",
                                 "source_commit": os.environ.get("MOK_SOURCE_COMMIT"),
                                 "configs": summary}, indent=1))

@@ -3,7 +3,9 @@
 # the tiny config and a 2-layer slice of Qwen3-30B-A3B, plus a second `mok` run of each
 # to check run-to-run identical losses. --deterministic-mode on every run. Logs under
 # ${OUT:-gpu_out}/train_*.log, summary JSON from `python -m benchmarks.train_report`.
-# Env: CONFIGS (default "tiny qwen3"), STEPS (50).
+# Env: CONFIGS (default "tiny qwen3"; "qwen3-ep8" = the 16-layer Qwen3-30B-A3B config at
+# EP 8 on an 8-GPU machine, issue 7's end-to-end run), STEPS (50), RUN_TIMEOUT (seconds per
+# run; 240, qwen3-ep8 900).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -11,15 +13,19 @@ export PYTHON=$PY
 steps=${STEPS:-50}
 common=(--train-iters "$steps" --log-interval 1 --deterministic-mode --bf16)
 for cfg in ${CONFIGS:-tiny qwen3}; do
+  nproc=1 limit=${RUN_TIMEOUT:-240}
   case $cfg in
     tiny)  file=configs/tiny_gpt_moe.args; extra=() ;;
     qwen3) file=configs/qwen3_30b_a3b.args
            extra=(--num-layers 2 --expert-model-parallel-size 1 --global-batch-size 8
                   --lr-warmup-iters 5 --num-workers 0) ;;
+    qwen3-ep8) file=configs/qwen3_30b_a3b.args  # as configured: 16 layers, EP 8
+           extra=(--lr-warmup-iters 5 --num-workers 0); nproc=8 limit=${RUN_TIMEOUT:-900} ;;
+    *) echo "unknown config $cfg"; continue ;;
   esac
   for run in mok alltoall mok2; do
     disp=${run%2}
-    timeout 240 bash examples/train.sh "$file" "$disp" "${common[@]}" "${extra[@]}" \
+    NPROC=$nproc timeout "$limit" bash examples/train.sh "$file" "$disp" "${common[@]}" "${extra[@]}" \
       > "$OUT/train_${cfg}_${run}.log" 2>&1
     echo "$cfg $run exit $?: $(grep -cF '[megatron_mok] step' "$OUT/train_${cfg}_${run}.log") steps"
   done

@@ -33,3 +33,17 @@ def test_summary_of_mok_alltoall_and_repeat(tmp_path):
     assert abs(tiny["speedup"] - 2005.5 / 1005.5) < 1e-9
     assert summary["big"]["mok_runs_identical"] is False
     assert list(tmp_path.glob("*-train-ep1.json"))
+
+
+def test_ep_runs_report_tokens_per_gpu(tmp_path):
+    losses = [7.0, 6.0, 5.0, 4.5, 4.0, 3.8, 3.6]
+    _log(tmp_path / "train_qwen3-ep8_mok.log", losses, tps=80000)
+    _log(tmp_path / "train_qwen3-ep8_alltoall.log", losses, tps=40000)
+    assert train_report.main([str(p) for p in sorted(tmp_path.glob("*.log"))]
+                             + ["--out", str(tmp_path)]) == 0
+    summary = train_report.summarise({"qwen3-ep8": {
+        k: train_report.parse(tmp_path / f"train_qwen3-ep8_{k}.log") for k in ("mok", "alltoall")}})
+    entry = summary["qwen3-ep8"]
+    assert entry["gpus"] == 8
+    assert entry["tokens_per_s_per_gpu"] == {"mok": 80005.5 / 8, "alltoall": 40005.5 / 8}
+    assert list(tmp_path.glob("*-train-ep8.json"))
