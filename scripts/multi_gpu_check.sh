@@ -3,9 +3,10 @@
 #   1. the EP tests of tests/test_gpu_backend.py with rank r on GPU r (EP 2/4/8);
 #   2. the EP layer benchmark (benchmarks.layer_ep: mok vs PyTorch + NCCL all-to-all) at
 #      EP = 2, 4 and 8 (as many as the GPUs allow), results under $OUT/.
-# Env: SKIP_TESTS=1, SKIP_BENCH=1, BENCH_ARGS (extra benchmark flags, e.g. "--shapes
-# deepseek-v3 --tokens 8192"). Megatron's alltoall/flex at EP > 1 and the end-to-end
-# Qwen3 run are not here yet.
+#   3. with 8 GPUs: Qwen3-30B-A3B (16 layers, EP 8) trained with `mok` and `alltoall`
+#      (scripts/train_compare.sh CONFIGS=qwen3-ep8), tokens/s/GPU side by side.
+# Env: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_TRAIN=1, BENCH_ARGS (extra benchmark flags, e.g.
+# "--shapes deepseek-v3 --tokens 8192"), STEPS (training steps, default 50).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -25,5 +26,8 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     $PY -m torch.distributed.run --standalone --nproc_per_node "$ep" -m benchmarks.layer_ep \
         --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/layer_ep${ep}.log" | grep -vE "^\s*$" | tail -40
   done
+fi
+if [ "${SKIP_TRAIN:-0}" != 1 ] && [ "$ngpu" -ge 8 ]; then
+  CONFIGS=qwen3-ep8 bash scripts/train_compare.sh
 fi
 exit "$rc"
