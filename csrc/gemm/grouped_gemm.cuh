@@ -401,6 +401,22 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
   for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
     const Task task = decode_task<Cfg>(p, t, rank);
     if (task.skip) continue;
+    if constexpr (Cfg::epi == Epi::kSwiGLUBwd) {
+      // The epilogue reads this tile's h (gate and up: 128 rows x BN columns each) straight
+      // from global memory, 16 bytes of a row per thread; ask L2 for it now, so that after
+      // the mainloop those loads hit L2 instead of waiting on DRAM.
+      constexpr int kLines = BN * 2 / 128;  // 128-byte lines per row and part
+      const int n0 = task.n_tile * BN;
+#pragma unroll 1
+      for (int line = ctid; line < BM * 2 * kLines; line += 256) {
+        const int r = line / (2 * kLines), part = (line / kLines) % 2, c = n0 + (line % kLines) * 64;
+        if (c < p.N) {
+          const __nv_bfloat16* ptr =
+              p.h_in + int64_t(task.m_tile * BM + r) * 2 * p.N + part * p.N + c;
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+        }
+      }
+    }
     const bool has_k = task.k_begin < task.k_end;
     if (has_k) {
       tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
