@@ -26,7 +26,18 @@ PLOTS_DIR = REPO / "benchmarks" / "plots"
 README = REPO / "README.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 SUBJECT = "mok"
-BASELINES = ("torch-unfused", "megatron-alltoall")
+BASELINES = ("torch-unfused", "megatron-alltoall")  # EP=1 (benchmarks.layer)
+# Column order for whatever baselines a results file holds (benchmarks.layer_ep adds the
+# all-to-all and flex ones); a baseline with no timing at all (skipped) gets no column.
+BASELINE_ORDER = ("torch-unfused", "torch-a2a", "megatron-alltoall", "megatron-flex-deepep",
+                  "megatron-flex-hybridep")
+EP_START, EP_END = "<!-- perf-table-ep:start -->", "<!-- perf-table-ep:end -->"
+
+
+def baselines_of(records: list) -> list:
+    timed = {r["backend"] for r in records if r.get("ms") and r.get("backend") != SUBJECT}
+    return ([b for b in BASELINE_ORDER if b in timed]
+            + sorted(timed.difference(BASELINE_ORDER)))
 PASS_ORDER = {"fwd": 0, "bwd": 1}
 ROUTING_ORDER = {"balanced": 0, "skewed": 1, "adversarial": 2}
 
@@ -146,7 +157,11 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
     peak = meta.get("peak_tflops") or (records[0].get("peak_tflops") if records else None)
     mok_backend = next((r["info"].get("mok_backend") for r in records
                         if r.get("backend") == SUBJECT and r.get("info")), None)
-    head = (f"EP=1 layer, ep8-proxy shapes (E_loc = E/8; mixtral E_loc = E), BF16, on {gpu}, "
+    ep = meta.get("ep") or 1
+    scope = ("EP=1 layer, ep8-proxy shapes (E_loc = E/8; mixtral E_loc = E)" if ep == 1 else
+             f"EP={ep} layer, one process per GPU, full shapes (E/{ep} experts per rank; time = "
+             f"slowest rank; TFLOP/s and NVLink GB/s per GPU)")
+    head = (f"{scope}, BF16, on {gpu}, "
             f"{meta.get('date', '?')}, commit `{commit}{dirty}`, torch {meta.get('torch', '?')} "
             f"(CUDA {meta.get('cuda', '?')})")
     if meta.get("peak_tflops_range"):
@@ -162,8 +177,12 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
         head += f" Source: `{source}` (`python -m benchmarks.report` regenerates this table)."
     lines.append(head)
     lines.append("")
+    baselines = baselines_of(records)
+    nvlink = any(r.get("nvlink_gbps_per_gpu") is not None for r in records)
     cols = ["shape", "T", "routing", "pass", "mok ms", "TFLOP/s", "of peak", "time / floor"]
-    for b in BASELINES:
+    if nvlink:
+        cols.append("NVLink GB/s")
+    for b in baselines:
         cols += [f"{b} ms", f"× {b}"]
     cols.append("check")
     lines.append("| " + " | ".join(cols) + " |")
@@ -173,7 +192,9 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
         row = [shape, str(t), routing, which, _ms(m),
                _tflops(m and m.get("tflops")), _num(m and m.get("frac_peak"), ".2f"),
                _num(m and m.get("time_over_floor"), ".2f")]
-        for b in BASELINES:
+        if nvlink:
+            row.append(_num(m and m.get("ms") and m.get("nvlink_gbps_per_gpu"), ".0f"))
+        for b in baselines:
             row += [_ms(backends.get(b)), _speedup(m, b)]
         row.append(_check(backends))
         lines.append("| " + " | ".join(row) + " |")
@@ -182,8 +203,9 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
 
 def console_table(records: list) -> str:
     """Every record, one line each (the benchmark's final table)."""
+    baselines = baselines_of(records)
     cols = ["shape", "T", "routing", "pass", "backend", "ms", "TFLOP/s", "peak", "/floor",
-            *(f"x{b}" for b in BASELINES), "check"]
+            *(f"x{b}" for b in baselines), "check"]
     rows = []
     for _, backends in group_cases(records):
         for name in sorted(backends, key=lambda b: (b != SUBJECT, b)):
@@ -199,7 +221,7 @@ def console_table(records: list) -> str:
             rows.append([r["shape"], str(r["T"]), r["routing"], r["pass"], name,
                          _ms(r), _tflops(r.get("tflops")),
                          _num(r.get("frac_peak"), ".2f"), _num(r.get("time_over_floor"), ".2f"),
-                         *(_speedup(r, b).replace("×", "x") for b in BASELINES), check])
+                         *(_speedup(r, b).replace("×", "x") for b in baselines), check])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c)
               for i, c in enumerate(cols)]
     out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)),
@@ -212,12 +234,17 @@ def console_table(records: list) -> str:
 # README
 # ----------------------------------------------------------------------------------------
 
-def insert_markers(text: str) -> str:
+def insert_markers(text: str, start: str = START, end_marker: str = END) -> str:
     """Put empty markers under the Status section's "Performance numbers appear here"
-    paragraph (else at the end of the Status section, else at the end of the file)."""
-    if START in text and END in text:
+    paragraph (else at the end of the Status section, else at the end of the file); the EP
+    table's markers go right after the EP=1 table's when those exist."""
+    if start in text and end_marker in text:
         return text
-    block = f"{START}\n{END}\n"
+    if start != START and END in text:
+        i = text.index(END) + len(END)
+        return text[:i] + f"\n\n{start}\n{end_marker}" + text[i:]
+    START_, END_ = start, end_marker
+    block = f"{START_}\n{END_}\n"
     lines = text.splitlines(keepends=True)
     status = next((i for i, l in enumerate(lines) if l.strip().lower() == "## status"), None)
     if status is not None:
@@ -240,10 +267,12 @@ def insert_markers(text: str) -> str:
     return text + sep + "\n" + block
 
 
-def update_readme(readme: Path, table: str) -> None:
-    text = insert_markers(readme.read_text())
-    start = text.index(START) + len(START)
-    end = text.index(END, start)
+def update_readme(readme: Path, table: str, ep: int = 1) -> None:
+    """Rewrite the table between the markers (the EP=1 table's, or the EP tables')."""
+    start_m, end_m = (START, END) if ep == 1 else (EP_START, EP_END)
+    text = insert_markers(readme.read_text(), start_m, end_m)
+    start = text.index(start_m) + len(start_m)
+    end = text.index(end_m, start)
     readme.write_text(text[:start] + "\n" + table.rstrip("\n") + "\n" + text[end:])
 
 
@@ -262,14 +291,15 @@ def plot_speedups(records: list, out_png: Path, title: str = "") -> Optional[Pat
         return None
     cases = group_cases(records)
     passes = [p for p in ("fwd", "bwd") if any(k[3] == p for k, _ in cases)]
-    if not any(b.get(SUBJECT, {}).get("ms") for _, b in cases) or not passes:
+    if not any(b.get(SUBJECT, {}).get("ms") for _, b in cases) or not passes or not baselines_of(records):
         print(f"no {SUBJECT} timings in the results; no plot written")
         return None
     routings = {k[2] for k, _ in cases}
     tokens = {k[1] for k, _ in cases}
     fig, axes = plt.subplots(len(passes), 1, figsize=(max(8.0, 1.2 * len(cases) / len(passes)),
                                                       4.2 * len(passes)), squeeze=False)
-    width = 0.8 / len(BASELINES)
+    baselines = baselines_of(records)
+    width = 0.8 / max(1, len(baselines))
     for ax, which in zip(axes[:, 0], passes):
         rows = [(k, b) for k, b in cases if k[3] == which]
         labels = []
@@ -281,10 +311,10 @@ def plot_speedups(records: list, out_png: Path, title: str = "") -> Optional[Pat
                 label += f"\n{routing}"
             labels.append(label)
         xs = range(len(rows))
-        for j, base in enumerate(BASELINES):
+        for j, base in enumerate(baselines):
             vals = [(b.get(SUBJECT) or {}).get("speedup", {}).get(base) for _, b in rows]
             heights = [v if v is not None else 0.0 for v in vals]
-            bars = ax.bar([x + (j - (len(BASELINES) - 1) / 2) * width for x in xs], heights,
+            bars = ax.bar([x + (j - (len(baselines) - 1) / 2) * width for x in xs], heights,
                           width, label=f"vs {base}")
             for bar, v in zip(bars, vals):
                 if v is not None:
@@ -341,7 +371,7 @@ def main(argv=None) -> int:
     if not args.no_readme:
         table = markdown_table(meta, records,
                                source=", ".join(_display_path(p) for p in paths))
-        update_readme(Path(args.readme), table)
+        update_readme(Path(args.readme), table, ep=meta.get("ep") or 1)
         print(f"table written to {args.readme}")
     return 0
 

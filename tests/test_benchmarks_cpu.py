@@ -431,4 +431,20 @@ def test_layer_ep_harness_on_two_gloo_ranks(tmp_path):
     assert data["meta"]["ep"] == 2 and len(data["records"]) == 20
     mok = [r for r in data["records"] if r["backend"] == "mok"]
     assert len(mok) == 4
+    # benchmarks.report puts the EP table under its own markers, after the EP=1 table's.
+    from benchmarks import report
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Status\n\nPerformance numbers appear here.\n\n"
+                      f"{report.START}\nold EP=1 table\n{report.END}\n\n## Next\n")
+    assert report.main([str(files[0]), "--readme", str(readme), "--no-plot"]) == 0
+    text = readme.read_text()
+    assert "old EP=1 table" in text
+    assert text.index(report.END) < text.index(report.EP_START) < text.index("## Next")
+    ep_table = text[text.index(report.EP_START):text.index(report.EP_END)]
+    assert "EP=2 layer" in ep_table and "× torch-a2a" in ep_table
+    assert "× megatron-alltoall" in ep_table and "NVLink GB/s" in ep_table
+    try:
+        import deep_ep  # noqa: F401
+    except Exception:  # skipped backends get no column
+        assert "megatron-flex" not in ep_table
     assert all({"torch-a2a", "megatron-alltoall"} <= set(r["speedup"]) for r in mok)
