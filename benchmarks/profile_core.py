@@ -17,34 +17,26 @@ import argparse
 import torch
 
 from benchmarks import shapes as S
-from benchmarks.gemm import make_case
-from megatron_mok import grouped_gemm as gg
+from benchmarks.gemm import make_case, op_fns
 
-OPS = ("fc1", "fc2", "dgrad_swiglu", "dgrad_fc1", "wgrad_fc1", "wgrad_fc2", "torch_fc1")
+
+
+# CLI name -> (benchmarks.gemm op, which of its callables: 1 = ours, 2 = torch's grouped_mm)
+OP_SOURCES = {"fc1": ("fc1_swiglu", 1), "fc2": ("fc2", 1),
+              "dgrad_swiglu": ("dgrad_fc2_swiglu", 1), "dgrad_fc1": ("dgrad_fc1", 1),
+              "wgrad_fc1": ("wgrad_fc1", 1), "wgrad_fc2": ("wgrad_fc2", 1),
+              "torch_fc1": ("fc1_swiglu", 2)}
 
 
 def op_fn(case, op: str):
-    s = case["sched"]
-    offsets, num_rows = s.expert_offsets, s.num_rows
-    x, d_out, w1, w2 = case["x"], case["d_out"], case["w1"], case["w2"]
-    act, h = gg.fc1_swiglu(x, w1, offsets, num_rows)
-    d_h = gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows)
-    return {
-        "fc1": lambda: gg.fc1_swiglu(x, w1, offsets, num_rows, save_h=False),
-        "fc2": lambda: gg.rows_matmul(act, w2, offsets, num_rows),
-        "dgrad_swiglu": lambda: gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows),
-        "dgrad_fc1": lambda: gg.rows_matmul(d_h, w1, offsets, num_rows, w_transposed=True),
-        "wgrad_fc1": lambda: gg.wgrad(d_h, x, offsets),
-        "wgrad_fc2": lambda: gg.wgrad(d_out, act, offsets),
-        "torch_fc1": lambda: torch._grouped_mm(x, w1.transpose(1, 2),
-                                               offs=offsets[1:]),
-    }[op]
+    name, which = OP_SOURCES[op]
+    return op_fns(case)[name][which]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="deepseek-v3")
-    p.add_argument("--op", default="fc1", choices=OPS)
+    p.add_argument("--op", default="fc1", choices=list(OP_SOURCES))
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--torch-profiler", action="store_true",

@@ -78,6 +78,12 @@ struct OutView {
 
 OutView rows_view(const at::Tensor& t) { return {t.data_ptr(), t.size(0), t.size(1), 1, t.size(1), 0}; }
 
+// [rows, 2I] as (rows, I, 2): gate and up halves as planes 0 and 1 (h, d_h).
+OutView halves_view(const at::Tensor& t) {
+  const int64_t half = t.size(1) / 2;
+  return {t.data_ptr(), t.size(0), half, 2, t.size(1), half};
+}
+
 // kReduce: the TMA store adds into the output (fp32 accumulation) instead of writing it.
 template <class Cfg, bool kReduce = false>
 auto make_store_atom(const OutView& v) {
@@ -206,16 +212,13 @@ void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
   TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
   c10::cuda::CUDAGuard guard(x_rows.device());
   GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFc1SwiGLU<1>::BN / 2);
-  p.out = act.data_ptr();
-  p.ldo = I;
   if (h.has_value()) {
     check_bf16_cuda(*h, "h", 2);
     TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
-    p.h_out = reinterpret_cast<__nv_bfloat16*>(h->data_ptr());
+    p.store_h = true;
   }
   const OutView act_view = rows_view(act);
-  const OutView h_view =
-      h.has_value() ? OutView{h->data_ptr(), R, I, 2, 2 * I, I} : act_view;
+  const OutView h_view = h.has_value() ? halves_view(*h) : act_view;
   with_cluster<CfgFc1SwiGLU>([&](auto cfg) {
     launch<decltype(cfg)>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
                           make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E), act_view,
@@ -239,8 +242,6 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   c10::cuda::CUDAGuard guard(a.device());
   if (w_transposed) {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNN<1>::BN);
-    p.out = out.data_ptr();
-    p.ldo = N;
     with_cluster<CfgRowsNN>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
                             make_stride(_1{}, N, K * N), int(N), int(K), int(E),
@@ -248,8 +249,6 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
     });
   } else {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNT<1>::BN);
-    p.out = out.data_ptr();
-    p.ldo = N;
     with_cluster<CfgRowsNT>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
                             make_stride(K, _1{}, N * K), int(N), int(K), int(E),
@@ -276,7 +275,7 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
   with_cluster<CfgDgradSwiGLU>([&](auto cfg) {
     launch<decltype(cfg)>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
                           make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),
-                          OutView{d_h.data_ptr(), R, I, 2, 2 * I, I}, max_ctas);
+                          halves_view(d_h), max_ctas);
   });
 }
 
@@ -318,20 +317,15 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   p.m_tiles = int((M + 127) / 128);
   p.n_tiles = int((N + CfgWgradBf16<1>::BN - 1) / CfgWgradBf16<1>::BN);
   p.num_tasks = int(E) * p.m_tiles * p.n_tiles;
-  p.out = out.data_ptr();
-  p.ldo = N;
   const OutView out_view{out.data_ptr(), M, N, E, N, M * N};
-  auto run = [&](auto cfg) {
-    launch<decltype(cfg)>(p, a, make_stride(_1{}, M), int(M), int(R), b,
-                          make_stride(_1{}, N, N * R), int(N), int(R), 1, out_view, out_view,
-                          max_ctas);
+  auto launch_as = [&](auto cfg, auto reduce) {
+    launch<decltype(cfg), decltype(reduce)::value>(p, a, make_stride(_1{}, M), int(M), int(R),
+                                                   b, make_stride(_1{}, N, N * R), int(N),
+                                                   int(R), 1, out_view, out_view, max_ctas);
   };
+  auto run = [&](auto cfg) { launch_as(cfg, std::false_type{}); };
   if (accumulate) {
-    with_cluster<CfgWgradF32>([&](auto cfg) {
-      launch<decltype(cfg), true>(p, a, make_stride(_1{}, M), int(M), int(R), b,
-                                  make_stride(_1{}, N, N * R), int(N), int(R), 1, out_view,
-                                  out_view, max_ctas);
-    });
+    with_cluster<CfgWgradF32>([&](auto cfg) { launch_as(cfg, std::true_type{}); });
   } else if (out.scalar_type() == at::kFloat) {
     with_cluster<CfgWgradF32>(run);
   } else {

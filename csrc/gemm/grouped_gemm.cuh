@@ -115,9 +115,7 @@ struct GemmParams {
   int m_tiles, n_tiles, num_tasks;
   int* task_counter;      // zeroed [1]: tasks are taken from it in order; nullptr: static
                           // striding (CTA b takes b, b + grid, ...). Clusters use static.
-  void* out;              // kRows: [rows, ldo]; kTokensAsK: [E, M, N]
-  int64_t ldo;
-  __nv_bfloat16* h_out;   // kSwiGLU: optional [rows, 2N] pre-activations
+  bool store_h;           // kSwiGLU: also store the pre-activations h (through tma_h)
   const __nv_bfloat16* h_in;  // kSwiGLUBwd: [rows, 2N]
 };
 
@@ -467,7 +465,7 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
             return make_float2(silu_f(accum(i)) * accum(i + kAcc / 2),
                                silu_f(accum(i + 1)) * accum(i + 1 + kAcc / 2));
           });
-          if (p.h_out != nullptr) {
+          if (p.store_h) {
             CUTE_UNROLL
             for (int part = 0; part < 2; ++part) {  // gate, up
               emit_chunk(tma_h, mH, row_tile, col_chunk, part, q * (CW / 8), [&](int i) {
