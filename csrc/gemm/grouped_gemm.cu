@@ -162,8 +162,9 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   int clusters = std::min(max_clusters, p.num_tasks);
   if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
   config.gridDim = dim3(clusters * C);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_b_mc, tma_o, tma_h, a_rows,
-                                    a_cols, b_n, b_k, b_q));
+  const gemm::OperandShapes shapes{a_rows, a_cols, b_n, b_k, b_q};
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_b_mc, tma_o, tma_h,
+                                    shapes));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

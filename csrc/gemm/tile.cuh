@@ -1,0 +1,521 @@
+// Hopper grouped-GEMM core (sm_90a), the pieces of a tile task: configuration, shared
+// memory, task decoding, the producer's TMA loads, the consumers' WGMMA mainloop and the
+// fused epilogues. grouped_gemm.cuh assembles them into the standalone persistent kernel;
+// the megakernel (csrc/megakernel/) runs fc1 and fc2 tasks of the same shape in one launch.
+//
+//   CTA = 3 warpgroups: WG0 is the producer (one thread issues TMA loads into a
+//   kStages-deep shared-memory ring guarded by full/empty mbarriers), WG1 and WG2 are
+//   consumers (each runs 64 x BN WGMMAs on its half of the 128-row tile, then the
+//   epilogue straight from the accumulators). setmaxnreg moves registers from the
+//   producer to the consumers.
+//
+//   Tile tasks come in a fixed order; CTA b takes tasks b, b + grid, ... Each output
+//   tile has exactly one owner and a fixed K order (no split-K), so the result is
+//   bitwise independent of the grid size and the task order.
+//
+// Two groupings:
+//   kRows       D[rows of expert e] = A[rows of e] @ B_e   (fc1, fc2, dgrads). The row
+//               table pads every expert segment to 128 rows, so an M tile never straddles
+//               two experts; tiles past the device-side row count are skipped.
+//   kTokensAsK  D_e = A[rows of e]^T @ B[rows of e]        (weight gradients). Tokens are
+//               the K dimension, walked in row-table order; an expert with no rows gets
+//               zeros.
+//
+// Epilogues: kStore (D = acc), kSwiGLU (B tile = gate rows + matching up rows, writes
+// act = silu(gate) * up and optionally h = [gate, up] in bf16), kSwiGLUBwd (acc = d_act;
+// reads h, writes d_h = [d_gate, d_up]).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+
+namespace megatron_mok::gemm {
+
+using namespace cute;
+using bf16 = cute::bfloat16_t;
+
+enum class Grouping { kRows, kTokensAsK };
+enum class Epi { kStore, kSwiGLU, kSwiGLUBwd };
+
+// Shared memory of a CTA: the operand ring, the epilogue staging buffers
+// ([warpgroup][buffer]), the ring's barriers and the task queue. It depends only on the
+// tile shapes, so configurations that differ only in their epilogue (fc1 + SwiGLU and
+// fc2 in the megakernel) share one layout.
+template <int kElemsA, int kElemsB, class EpiT, int kEpiElems, int Stages>
+struct TileStorage {
+  alignas(1024) cute::bfloat16_t a[kElemsA];
+  alignas(1024) cute::bfloat16_t b[kElemsB];
+  alignas(1024) EpiT epi[kEpiElems];
+  alignas(8) uint64_t full[Stages];
+  alignas(8) uint64_t empty[Stages];
+  alignas(8) uint64_t task_full[2];   // task queue: task ids, producer -> consumers
+  alignas(8) uint64_t task_empty[2];
+  int task_id[2];
+};
+
+// kCluster = 2: CTA pairs in a cluster compute neighbouring row tiles of the same N tile and,
+// when both rows belong to one expert, multicast the B tile (each CTA loads half of it for
+// both), cutting L2->SM traffic by a third. Experimental (MOK_GEMM_CLUSTER=2); default 1.
+template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kCluster_ = 1,
+          int kBN = 256, int kStages = 4>
+struct GemmConfig {
+  static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages, kCluster = kCluster_;
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+  static constexpr Grouping group = kGroup;
+  static constexpr Epi epi = kEpi;
+  static constexpr int kSplit = kEpi == Epi::kSwiGLU ? 2 : 1;  // B boxes per tile
+  static constexpr int kThreads = 384;
+  using Out = OutT;
+
+  static constexpr GMMA::Major MajorA = kAKMajor ? GMMA::Major::K : GMMA::Major::MN;
+  static constexpr GMMA::Major MajorB = kBKMajor ? GMMA::Major::K : GMMA::Major::MN;
+  using AtomA = std::conditional_t<kAKMajor, GMMA::Layout_K_SW128_Atom<bf16>,
+                                   GMMA::Layout_MN_SW128_Atom<bf16>>;
+  using AtomB = std::conditional_t<kBKMajor, GMMA::Layout_K_SW128_Atom<bf16>,
+                                   GMMA::Layout_MN_SW128_Atom<bf16>>;
+  // MN-major operands tile K before MN, so that one TMA box (64 MN x 64 K, 128B swizzle)
+  // lands as a contiguous 8 KB block instead of 1 KB atoms.
+  using StepA = std::conditional_t<kAKMajor, Step<_1, _2, _3>, Step<_2, _1, _3>>;
+  using StepB = std::conditional_t<kBKMajor, Step<_1, _2, _3>, Step<_2, _1, _3>>;
+  using SmemLayoutA =
+      decltype(tile_to_shape(AtomA{}, Shape<Int<BM>, Int<BK>, Int<Stages>>{}, StepA{}));
+  using SmemLayoutB =
+      decltype(tile_to_shape(AtomB{}, Shape<Int<BN>, Int<BK>, Int<Stages>>{}, StepB{}));
+  // The same B memory as kSplit boxes per stage (gate rows, then up rows): box q = s*kSplit+h.
+  using SmemLayoutBBox = decltype(tile_to_shape(
+      AtomB{}, Shape<Int<BN / kSplit>, Int<BK>, Int<Stages * kSplit>>{}, StepB{}));
+  static_assert(kSplit == 1 || kBKMajor, "split B boxes need a K-major B");
+
+  using MmaOp = decltype(GMMA::ss_op_selector<bf16, bf16, float, Shape<_64, Int<BN>, Int<BK>>,
+                                              MajorA, MajorB>());
+  using TiledMma = decltype(make_tiled_mma(MmaOp{}, Layout<Shape<_2, _1, _1>>{}));
+
+  using StrideA = std::conditional_t<kAKMajor, Stride<int64_t, _1>, Stride<_1, int64_t>>;
+  using StrideB = std::conditional_t<kBKMajor, Stride<int64_t, _1, int64_t>,
+                                     Stride<_1, int64_t, int64_t>>;
+
+  static constexpr int kTxBytes = (BM * BK + BN * BK) * int(sizeof(bf16));
+
+  // Epilogue staging: a consumer warpgroup writes its 64 x BN accumulator slice in chunks of
+  // 64 rows x 128 bytes (one 128B-swizzled TMA box) through two buffers of its own; a chunk's
+  // TMA store drains while the next chunk is written and, for the last ones, while the next
+  // tile's mainloop runs.
+  static constexpr int kChunkCols = 128 / int(sizeof(OutT));
+  using EpiT = std::conditional_t<std::is_same_v<OutT, float>, float, bf16>;  // CuTe's type
+  using EpiLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<EpiT>{},
+                                           Shape<_64, Int<kChunkCols>>{}));
+  static constexpr int kChunkElems = 64 * kChunkCols;
+
+  using SharedStorage = TileStorage<cosize_v<SmemLayoutA>, cosize_v<SmemLayoutB>, EpiT,
+                                    2 * 2 * kChunkElems, Stages>;
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+struct GemmParams {
+  const int* offsets;     // [num_experts + 1] padded segment starts (row table)
+  const int* num_rows;    // [1] rows in use (device); nullptr: all
+  int num_experts;
+  int rows_cap;           // rows of the row table (capacity)
+  int M, N, K;            // kRows: M unused (rows), N = output columns of B (I for SwiGLU)
+  int m_tiles, n_tiles, num_tasks;
+  int* task_counter;      // zeroed [1]: tasks are taken from it in order; nullptr: static
+                          // striding (CTA b takes b, b + grid, ...). Clusters use static.
+  bool store_h;           // kSwiGLU: also store the pre-activations h (through tma_h)
+  const __nv_bfloat16* h_in;  // kSwiGLUBwd: [rows, 2N]
+};
+
+__device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
+  // Last e with offsets[e] <= row; empty experts (equal offsets) are skipped over.
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offsets + mid) <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct Task {
+  int m_tile, n_tile, expert, k_begin, k_end;  // k in BK tiles
+  bool skip;     // nothing to do (every CTA of the cluster agrees)
+  bool store;    // this CTA's rows exist (a cluster's second row tile may not)
+  bool share_b;  // the cluster's row tiles use one expert's B: multicast it
+};
+
+// Task t -> (m tile, column group g) of an m_tiles x n_groups grid, walked in bands of kBand
+// groups, row tiles fastest inside a band. The ~132 CTAs running at once then share a few B
+// column tiles (kept in L2) over many row tiles, instead of all of B over one or two row
+// tiles: per k step they read ~16 A and 8 B tiles instead of ~8 A and 16 B (A tiles are
+// half the size), and B streams from DRAM once per band, not once per wave.
+__device__ __forceinline__ void band_order(int t, int m_tiles, int n_groups, int& m, int& g) {
+  constexpr int kBand = 8;
+  const int band = t / (m_tiles * kBand);
+  const int width = min(kBand, n_groups - band * kBand);
+  const int local = t - band * m_tiles * kBand;
+  m = local / width;
+  g = band * kBand + local % width;
+}
+
+// Task t of a cluster covers kCluster neighbouring row tiles of one N tile; CTA `rank` takes
+// the rank-th. Every CTA of a cluster walks the same stages in lockstep (the ring's empty
+// barriers count both CTAs' consumers), so a row tile past the rows still runs its mainloop
+// (on zeros or stale rows) and only skips the store.
+template <class Cfg>
+__device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank) {
+  constexpr int C = Cfg::kCluster, BM = Cfg::BM;
+  const int m_groups = (p.m_tiles + C - 1) / C;
+  Task task;
+  int mg;
+  if constexpr (Cfg::group == Grouping::kRows) {
+    band_order(t, m_groups, p.n_tiles, mg, task.n_tile);
+    task.m_tile = mg * C + rank;
+    const int rows = p.num_rows ? min(__ldg(p.num_rows), p.rows_cap) : p.rows_cap;
+    const int lead_m0 = mg * C * BM;
+    task.skip = lead_m0 >= rows;
+    task.store = !task.skip && task.m_tile * BM < rows;
+    const int lead_e = task.skip ? 0 : expert_of_row(p.offsets, p.num_experts, lead_m0);
+    int last_e = lead_e;  // C = 2: the second tile's expert (the lead's when it has no rows)
+    if (C == 2 && lead_m0 + BM < rows) last_e = expert_of_row(p.offsets, p.num_experts, lead_m0 + BM);
+    task.share_b = lead_e == last_e;
+    task.expert = rank == 0 ? lead_e : last_e;
+    task.k_begin = 0;
+    task.k_end = (p.K + Cfg::BK - 1) / Cfg::BK;
+  } else {
+    const int per_expert = m_groups * p.n_tiles;
+    task.expert = t / per_expert;
+    band_order(t % per_expert, m_groups, p.n_tiles, mg, task.n_tile);
+    task.m_tile = mg * C + rank;
+    const int lo = min(__ldg(p.offsets + task.expert), p.rows_cap);
+    const int hi = min(__ldg(p.offsets + task.expert + 1), p.rows_cap);
+    task.k_begin = lo / Cfg::BK;  // segments start on 128-row boundaries
+    task.k_end = (hi + Cfg::BK - 1) / Cfg::BK;
+    task.skip = false;
+    task.store = task.m_tile < p.m_tiles;
+    task.share_b = true;
+  }
+  return task;
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
+
+// CUTLASS's mbarrier wait/arrive asm has no "memory" clobber: without this the compiler
+// could move the task queue's plain smem access across them.
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
+__device__ __forceinline__ void warpgroup_bar_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+
+// Barriers of the operand ring and the task queue; one thread, before the CTA (cluster) syncs.
+template <class Cfg, class Storage>
+__device__ __forceinline__ void init_tile_barriers(Storage& smem) {
+  constexpr int C = Cfg::kCluster;
+  for (int s = 0; s < Cfg::Stages; ++s) {
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], 1);
+    // C = 1: every consumer thread arrives. C = 2: one thread per consumer warpgroup
+    // per CTA of the cluster (a stage is refilled by both CTAs' multicast).
+    cutlass::arch::ClusterBarrier::init(&smem.empty[s], C == 1 ? 256 : 2 * C);
+  }
+  for (int s = 0; s < 2; ++s) {
+    cutlass::arch::ClusterBarrier::init(&smem.task_full[s], 1);
+    cutlass::arch::ClusterBarrier::init(&smem.task_empty[s], 256);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
+// Position in the operand ring; the producer and the consumers walk it in the same order.
+struct RingPos {
+  int stage = 0, phase = 0;
+  template <int kStages>
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) { stage = 0; phase ^= 1; }
+  }
+};
+
+// Task ids from the producer thread to the consumer warpgroups (a task drawn from a global
+// counter must run on this CTA's consumers): a 2-slot queue in shared memory whose mbarrier
+// arrive/wait order each slot's write and read.
+template <class Storage>
+struct TaskQueue {
+  Storage& smem;
+  int slot = 0, phase = 0;
+
+  __device__ __forceinline__ void push(int task) {
+    cutlass::arch::ClusterBarrier::wait(&smem.task_empty[slot], phase ^ 1);
+    compiler_fence();
+    smem.task_id[slot] = task;
+    compiler_fence();
+    cutlass::arch::ClusterBarrier::arrive(&smem.task_full[slot]);  // release: the id is visible
+    advance();
+  }
+  __device__ __forceinline__ int pop() {
+    cutlass::arch::ClusterBarrier::wait(&smem.task_full[slot], phase);
+    compiler_fence();
+    const int task = smem.task_id[slot];
+    compiler_fence();
+    cutlass::arch::ClusterBarrier::arrive(&smem.task_empty[slot]);
+    advance();
+    return task;
+  }
+  __device__ __forceinline__ void advance() {
+    if (++slot == 2) { slot = 0; phase ^= 1; }
+  }
+};
+
+// Global extents of the TMA load operands: A (rows, K), B (N, K, Q) boxes.
+struct OperandShapes {
+  int a_rows, a_cols, b_n, b_k, b_q;
+};
+
+// Producer: the TMA loads of one task's K range into the ring (one thread).
+template <class Cfg, class Storage, class TmaA, class TmaB, class TmaBmc>
+__device__ __forceinline__ void load_task(Storage& smem, const TmaA& tma_a, const TmaB& tma_b,
+                                          const TmaBmc& tma_b_mc, const OperandShapes& shapes,
+                                          const Task& task, int rank, RingPos& ring) {
+  using namespace cute;
+  constexpr int BM = Cfg::BM, BK = Cfg::BK, C = Cfg::kCluster, kSplit = Cfg::kSplit;
+  constexpr int BNh = Cfg::BN / kSplit;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg::SmemLayoutA{});
+  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
+  Tensor mA = tma_a.get_tma_tensor(make_shape(shapes.a_rows, shapes.a_cols));   // (M, K)
+  Tensor mB = tma_b.get_tma_tensor(make_shape(shapes.b_n, shapes.b_k, shapes.b_q));  // (N, K, Q)
+  Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
+  auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                    group_modes<0, 2>(gA));
+  for (int k = task.k_begin; k < task.k_end; ++k) {
+    EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
+    FullBar::arrive_and_expect_tx(&smem.full[ring.stage], Cfg::kTxBytes);
+    copy(tma_a.with(smem.full[ring.stage]), tAgA(_, k), tAsA(_, ring.stage));
+    CUTE_UNROLL
+    for (int h = 0; h < kSplit; ++h) {
+      const int q = Cfg::group == Grouping::kRows ? task.expert * kSplit + h : 0;
+      Tensor gB = local_tile(mB(_, _, q), Shape<Int<BNh>, Int<BK>>{}, make_coord(task.n_tile, _));
+      if (C == 2 && task.share_b) {  // this CTA's half of the box, to both CTAs
+        auto [tBgB, tBsB] = tma_partition(tma_b_mc, rank, Layout<Int<C>>{},
+                                          group_modes<0, 2>(sBbox), group_modes<0, 2>(gB));
+        copy(tma_b_mc.with(smem.full[ring.stage], uint16_t((1 << C) - 1)), tBgB(_, k),
+             tBsB(_, ring.stage * kSplit + h));
+      } else {
+        auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
+                                          group_modes<0, 2>(gB));
+        copy(tma_b.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
+      }
+    }
+    ring.advance<Cfg::Stages>();
+  }
+}
+
+// Consumer warpgroup: the WGMMAs of K tiles [k_begin, k_end) into accum, each stage handed
+// back to the producer as soon as the WGMMAs reading it are done.
+template <class Cfg, class Storage, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void mma_task(Storage& smem, Mma& tiled_mma, FragA& tCrA, FragB& tCrB,
+                                         Acc& accum, int k_begin, int k_end, RingPos& ring,
+                                         int wg_thread) {
+  using namespace cute;
+  constexpr int C = Cfg::kCluster;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  // Every thread (C = 1), or one thread of this warpgroup per CTA of the cluster (C = 2; the
+  // warpgroup's WGMMAs are complete).
+  auto release = [&](int s) {
+    if constexpr (C == 1) {
+      EmptyBar::arrive(&smem.empty[s]);
+    } else {
+      EmptyBar::arrive(&smem.empty[s], uint32_t(wg_thread), wg_thread < C);
+    }
+  };
+  tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(accum);
+  int prev = -1;
+  for (int k = k_begin; k < k_end; ++k) {
+    FullBar::wait(&smem.full[ring.stage], ring.phase);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(tiled_mma, tCrA(_, _, kb, ring.stage), tCrB(_, _, kb, ring.stage), accum);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // the previous stage's WGMMAs are done: hand it back
+    if (prev >= 0) release(prev);
+    prev = ring.stage;
+    ring.advance<Cfg::Stages>();
+  }
+  warpgroup_wait<0>();
+  release(prev);
+  warpgroup_fence_operand(accum);
+}
+
+// Staged epilogue of one consumer warpgroup. In the WGMMA accumulator layout, element i of
+// a thread sits at row row_t + 8 * ((i / 2) % 2) and column col_t + 8 * (i / 4) + i % 2 of
+// the warpgroup's 64 x BN slice. Chunks of 64 rows x 128 bytes (one 128B-swizzled TMA box)
+// go through the warpgroup's two staging buffers; a chunk's TMA store drains while the next
+// chunk is written and, for the last ones, while the next tile's mainloop runs. `buf`
+// alternates across every chunk the warpgroup stores, whatever the epilogue kind.
+struct EpilogueState {
+  int wg, wg_thread, row_t, col_t, buf;
+};
+
+// Chunk `first_block / (CW / 8)` of the slice: values(i) gives elements i and i + 1 for the
+// accumulator index i of the chunk's column blocks; stored at 64-row tile `row_tile`, chunk
+// column `col_chunk` of plane `plane` of the view.
+template <class Cfg, class Storage, class Tma, class View, class Values>
+__device__ __forceinline__ void emit_chunk(Storage& smem, EpilogueState& es, const Tma& tma,
+                                           const View& mView, int row_tile, int col_chunk,
+                                           int plane, int first_block, Values&& values) {
+  using namespace cute;
+  using Out = typename Cfg::EpiT;
+  constexpr int CW = Cfg::kChunkCols;
+  const int buf = es.buf;
+  es.buf ^= 1;
+  Out* chunk = smem.epi + (es.wg * 2 + buf) * Cfg::kChunkElems;
+  if (es.wg_thread == 0) tma_store_wait<1>();  // this buffer's previous store has read it
+  warpgroup_bar_sync(1 + es.wg);
+  Tensor sE = make_tensor(make_smem_ptr(chunk), typename Cfg::EpiLayout{});
+  CUTE_UNROLL
+  for (int jb = 0; jb < CW / 8; ++jb) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int i = 4 * (first_block + jb) + 2 * half;
+      const float2 v = values(i);
+      Out* dst = &sE(es.row_t + 8 * half, es.col_t + 8 * jb);
+      if constexpr (std::is_same_v<Out, float>) {
+        *reinterpret_cast<float2*>(dst) = v;
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v.x, v.y);
+      }
+    }
+  }
+  tma_store_fence();  // generic-proxy smem writes -> the TMA (async proxy) reads them
+  warpgroup_bar_sync(1 + es.wg);
+  if (es.wg_thread == 0) {
+    Tensor gO = local_tile(mView(_, _, plane), Shape<_64, Int<CW>>{},
+                           make_coord(row_tile, col_chunk));
+    auto [tOgO, tOsO] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sE),
+                                      group_modes<0, 2>(gO));
+    copy(tma, tOsO, tOgO);
+    tma_store_arrive();
+  }
+}
+
+// kSwiGLUBwd: the epilogue reads this tile's h (gate and up: 128 rows x BN columns each)
+// straight from global memory; ask L2 for it before the mainloop, so that those loads hit
+// L2 instead of waiting on DRAM. ctid: the thread's index among the 256 consumer threads.
+template <class Cfg>
+__device__ __forceinline__ void prefetch_h(const GemmParams& p, const Task& task, int ctid) {
+  constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  constexpr int kLines = BN * 2 / 128;  // 128-byte lines per row and part
+  const int n0 = task.n_tile * BN;
+#pragma unroll 1
+  for (int line = ctid; line < BM * 2 * kLines; line += 256) {
+    const int r = line / (2 * kLines), part = (line / kLines) % 2, c = n0 + (line % kLines) * 64;
+    if (c < p.N) {
+      const __nv_bfloat16* ptr = p.h_in + int64_t(task.m_tile * BM + r) * 2 * p.N + part * p.N + c;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+    }
+  }
+}
+
+// The epilogue of one task for one consumer warpgroup, by Cfg::epi. Output views for the
+// TMA stores are 3-D (rows, cols, planes): kRows out (rows, N, 1), kTokensAsK out (M, N, E);
+// tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0 and 1: the SwiGLU
+// forward's h, the SwiGLU backward's d_h.
+template <class Cfg, class Storage, class Acc, class TmaO, class TmaH>
+__device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, const GemmParams& p,
+                                              const Task& task, Acc& accum, bool has_k,
+                                              const TmaO& tma_o, const TmaH& tma_h) {
+  using namespace cute;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, CW = Cfg::kChunkCols;
+  constexpr int BNh = BN / Cfg::kSplit;
+  constexpr int kAcc = BN / 2;  // accumulator elements per thread (64 x BN per warpgroup)
+  Tensor mO = tma_o.get_tma_tensor(make_shape(
+      Cfg::group == Grouping::kRows ? p.rows_cap : p.M, p.N,
+      Cfg::group == Grouping::kRows ? 1 : p.num_experts));
+  Tensor mH = tma_h.get_tma_tensor(make_shape(p.rows_cap, p.N, 2));
+  const int m0 = task.m_tile * BM;
+  const int row_tile = 2 * task.m_tile + es.wg;  // this warpgroup's 64 rows
+  if constexpr (Cfg::epi == Epi::kStore) {
+    const int plane = Cfg::group == Grouping::kRows ? 0 : task.expert;
+    CUTE_UNROLL
+    for (int q = 0; q < BN / CW; ++q) {
+      if ((task.n_tile * BN + q * CW) < p.N) {  // a chunk past N is all clipped
+        emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, task.n_tile * (BN / CW) + q, plane,
+                        q * (CW / 8), [&](int i) {
+                          return has_k ? make_float2(accum(i), accum(i + 1)) : make_float2(0.f, 0.f);
+                        });
+      }
+    }
+  } else if constexpr (Cfg::epi == Epi::kSwiGLU) {
+    // Columns [0, BN/2) of the tile are gate, [BN/2, BN) the matching up columns: in the
+    // accumulator a thread holds both, kAcc/2 apart.
+    CUTE_UNROLL
+    for (int q = 0; q < BNh / CW; ++q) {
+      if ((task.n_tile * BNh + q * CW) < p.N) {
+        const int col_chunk = task.n_tile * (BNh / CW) + q;
+        emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
+          return make_float2(silu_f(accum(i)) * accum(i + kAcc / 2),
+                             silu_f(accum(i + 1)) * accum(i + 1 + kAcc / 2));
+        });
+        if (p.store_h) {
+          CUTE_UNROLL
+          for (int part = 0; part < 2; ++part) {  // gate, up
+            emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, part, q * (CW / 8),
+                            [&](int i) {
+                              const int j = i + part * (kAcc / 2);
+                              return make_float2(accum(j), accum(j + 1));
+                            });
+          }
+        }
+      }
+    }
+  } else {  // kSwiGLUBwd: acc = d_act; d_h = [d_gate, d_up] (planes of the h view)
+    // Per chunk: read the matching h pairs, compute both halves of d_h in registers, then
+    // stage d_gate and d_up like the other outputs. N = I is a multiple of 8, so a column
+    // pair starting below N is whole.
+    constexpr int kPer = CW / 2;  // values of one chunk held by a thread
+    CUTE_UNROLL
+    for (int q = 0; q < BN / CW; ++q) {
+      if (task.n_tile * BN + q * CW < p.N) {
+        float dg[kPer], du[kPer];
+        CUTE_UNROLL
+        for (int jb = 0; jb < CW / 8; ++jb) {
+          CUTE_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
+            const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
+            const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
+            float2 g = make_float2(0.f, 0.f), u = g;
+            if (c < p.N) {
+              const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
+              g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
+              u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
+            }
+            const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+            CUTE_UNROLL
+            for (int j = 0; j < 2; ++j) {
+              const float d = accum(i + j);
+              const float sig = 1.f / (1.f + __expf(-gs[j]));
+              dg[l + j] = d * us[j] * sig * (1.f + gs[j] * (1.f - sig));
+              du[l + j] = d * gs[j] * sig;
+            }
+          }
+        }
+        const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
+        emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
+          return make_float2(dg[i - base], dg[i - base + 1]);
+        });
+        emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 1, q * (CW / 8), [&](int i) {
+          return make_float2(du[i - base], du[i - base + 1]);
+        });
+      }
+    }
+  }
+}
+
+}  // namespace megatron_mok::gemm
