@@ -129,7 +129,7 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, *, keep
     backend = "kernel" if ws.arena is not None else "reference"
     if backend == "kernel":
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
-                                          keep_ctx)
+                                          keep_ctx, config)
         return y, MoKForwardContext(backend, y if keep_ctx else None, saved=saved)
     sched.check_errors()  # the reference is not sync-free anyway
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)

@@ -2,7 +2,9 @@
 
 Forward, per rank:  publish x -> barrier -> pull rows of x into row-table order ->
 grouped GEMM fc1 -> SwiGLU -> grouped GEMM fc2 -> push rows into the owners'
-(t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert).
+(t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert). By default the steps
+from pull to push run as one launch, the forward megakernel (megatron_mok.megakernel;
+MOK_FORWARD=launches keeps them separate).
 
 Backward: publish dy and the router weights -> barrier -> pull dy rows scaled by
 their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->
@@ -30,7 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from megatron_mok import grouped_gemm, ops
+from megatron_mok import grouped_gemm, megakernel, ops
+from megatron_mok.config import MoKConfig
 from megatron_mok.schedule import MoKSchedule
 from megatron_mok.workspace import MoKWorkspace
 
@@ -99,28 +102,25 @@ class KernelSaved:
 
 
 def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, shared_w2,
-            keep_ctx: bool):
+            keep_ctx: bool, config: Optional[MoKConfig] = None):
     arena, topk = ws.arena, ws.topk
+    config = config or MoKConfig()
     num_tokens, hidden = x.shape
     topk_idx = sched.topk_idx_all[ws.ep_rank]
-    arena.view("x").copy_(x)
+    fused = gemm_core() == "mok" and megakernel.forward_path() == "megakernel"
+    if ws.ep_size > 1 or not fused:  # the megakernel pulls straight from x at EP = 1
+        arena.view("x").copy_(x)
     shared_out = shared_leaves = None
     if shared_w1 is not None:  # independent of the peers: runs before the barrier
         shared_out, shared_leaves = _shared_forward(x, shared_w1, shared_w2, keep_ctx)
     arena.barrier()
-    offs = sched.expert_offsets[1:]
-    x_rows = x.new_empty(ws.capacity, hidden)
-    ops.pull_rows(arena.peer_base, arena.offset("x"), sched, topk, x_rows)
-    if gemm_core() == "mok":
+    if fused:
         w1, w2 = w1.contiguous(), w2.contiguous()
-        act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
-                                         save_h=keep_ctx)
-        y_rows = grouped_gemm.rows_matmul(act, w2, sched.expert_offsets, sched.num_rows)
+        x_rows, act, h, y_rows = megakernel.moe_forward(
+            ws, sched, x, w1, w2, save_h=keep_ctx, num_comm_sms=config.fwd_num_comm_sms,
+            minibatch_rows=config.minibatch_size)
     else:
-        h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
-        act = _swiglu(h)
-        y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
-    ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, topk)
+        x_rows, act, h, y_rows = _expert_launches(ws, sched, w1, w2, hidden, keep_ctx)
     arena.barrier()
     slots = arena.view("slots").view(num_tokens, topk, hidden)
     y = ops.combine_epilogue(slots, topk_idx, topk_w.detach(),
@@ -130,6 +130,25 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h, act,
                             y_rows, shared_out, shared_leaves)
     return y, saved
+
+
+def _expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool):
+    """v1: pull, fc1 (+ SwiGLU), fc2 and push as separate launches."""
+    arena = ws.arena
+    x_rows = w1.new_empty(ws.capacity, hidden)
+    ops.pull_rows(arena.peer_base, arena.offset("x"), sched, ws.topk, x_rows)
+    if gemm_core() == "mok":
+        w1, w2 = w1.contiguous(), w2.contiguous()
+        act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
+                                         save_h=keep_ctx)
+        y_rows = grouped_gemm.rows_matmul(act, w2, sched.expert_offsets, sched.num_rows)
+    else:
+        offs = sched.expert_offsets[1:]
+        h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
+        act = _swiglu(h)
+        y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
+    return x_rows, act, h, y_rows
 
 
 def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor):

@@ -33,6 +33,7 @@ class MoKWorkspace:
     capacity: int              # rows of the row table
     dtype: torch.dtype = torch.bfloat16
     arena: Optional["SymmetricArena"] = None  # kernel backend only
+    forward_counters: Optional[torch.Tensor] = None  # forward megakernel, kernel backend only
 
     @property
     def num_experts(self) -> int:
@@ -105,9 +106,17 @@ class SymmetricArena:
         state, what, rank, peer, expected, seen, waited_ns, block = self.watchdog.tolist()
         if state == 0:
             return None
-        where = "EP barrier" if what == 1 else f"wait #{what}"
-        return (f"megatron_mok watchdog: rank {rank} stuck in {where} (block {block}) waiting for "
-                f"peer {peer}: expected arrival {expected}, saw {seen} after {waited_ns / 1e6:.0f} ms")
+        if what == 1:
+            return (f"megatron_mok watchdog: rank {rank} stuck in EP barrier (block {block}) "
+                    f"waiting for peer {peer}: expected arrival {expected}, saw {seen} after "
+                    f"{waited_ns / 1e6:.0f} ms")
+        # Forward megakernel waits: [3] is the 128-row tile whose counter did not arrive.
+        waits = {2: ("a fc1 task", "rows pulled"), 3: ("a fc2 task", "fc1 tile halves done"),
+                 4: ("a comm CTA's push", "fc2 tile halves done")}
+        role, counter = waits.get(what, (f"wait #{what}", "counter"))
+        return (f"megatron_mok watchdog: rank {rank} stuck in the forward megakernel (block "
+                f"{block}, {role}) waiting for row tile {peer}: {counter} expected {expected}, "
+                f"saw {seen} after {waited_ns / 1e6:.0f} ms")
 
 
 _CACHE: dict = {}
@@ -143,16 +152,19 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
     check_same_shape_across_ranks(group, tokens=num_local_tokens, hidden=hidden_size, topk=topk,
                                   local_experts=num_local_experts)
     device = _normalize_device(device)
-    arena = None
+    arena = counters = None
+    capacity = schedule_capacity(config, num_local_tokens, topk, ep_size, num_local_experts)
     if symmetric:
+        from megatron_mok.megakernel import counters_size
+
         arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,
                                topk, dtype)
+        counters = torch.zeros(counters_size(capacity), dtype=torch.int32, device=device)
     return MoKWorkspace(
         group=group if ep_size > 1 else None, ep_size=ep_size, ep_rank=ep_rank,
         device=device, num_tokens=num_local_tokens, hidden_size=hidden_size,
         topk=topk, num_local_experts=num_local_experts,
-        capacity=schedule_capacity(config, num_local_tokens, topk, ep_size, num_local_experts),
-        dtype=dtype, arena=arena)
+        capacity=capacity, dtype=dtype, arena=arena, forward_counters=counters)
 
 
 def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hidden_size: int,

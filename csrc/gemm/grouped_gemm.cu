@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "gemm/grouped_gemm.cuh"
+#include "gemm/host.cuh"
 
 namespace megatron_mok {
 namespace {
@@ -18,27 +19,7 @@ using gemm::GemmConfig;
 using gemm::GemmParams;
 using gemm::Grouping;
 using gemm::bf16;
-
-// Configurations, by cluster size C (MOK_GEMM_CLUSTER; 1 unless set to 2).
-// fc1 + SwiGLU: B = w1 viewed as (I, H, 2E) boxes (gate of e = 2e, up of e = 2e + 1).
-template <int C>
-using CfgFc1SwiGLU = GemmConfig<true, true, Grouping::kRows, Epi::kSwiGLU, __nv_bfloat16, C>;
-// out = a @ w[e]^T, w [E, N, K] (fc2 forward).
-template <int C>
-using CfgRowsNT = GemmConfig<true, true, Grouping::kRows, Epi::kStore, __nv_bfloat16, C>;
-// out = a @ w[e], w [E, K, N] (dgrad).
-template <int C>
-using CfgRowsNN = GemmConfig<true, false, Grouping::kRows, Epi::kStore, __nv_bfloat16, C>;
-// d_h = SwiGLU'(h) * (d_out @ w2[e]), w2 [E, H, I] (fc2 dgrad fused with SwiGLU backward).
-template <int C>
-using CfgDgradSwiGLU =
-    GemmConfig<true, false, Grouping::kRows, Epi::kSwiGLUBwd, __nv_bfloat16, C>;
-// out[e] = a[rows of e]^T @ b[rows of e] (weight gradients), bf16 or fp32 output.
-template <int C>
-using CfgWgradBf16 =
-    GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, __nv_bfloat16, C>;
-template <int C>
-using CfgWgradF32 = GemmConfig<false, false, Grouping::kTokensAsK, Epi::kStore, float, C>;
+using namespace gemm_host;
 
 // MOK_GEMM_SCHEDULER=static: CTA b takes tasks b, b + grid, ...; otherwise (default) tasks
 // come from a global counter zeroed before each launch (single-CTA clusters only).
@@ -58,44 +39,6 @@ void with_cluster(F&& f) {
   if (cluster_size() == 2) f(Cfg<2>{}); else f(Cfg<1>{});
 }
 
-int num_sms(int device) {
-  static int cached[64] = {0};
-  if (cached[device] == 0) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    cached[device] = n;
-  }
-  return cached[device];
-}
-
-const bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
-
-// A 3-D output view (rows, cols, planes) for the epilogue's TMA stores.
-struct OutView {
-  void* ptr;
-  int64_t rows, cols, planes, ld, plane_stride;
-};
-
-OutView rows_view(const at::Tensor& t) { return {t.data_ptr(), t.size(0), t.size(1), 1, t.size(1), 0}; }
-
-// [rows, 2I] as (rows, I, 2): gate and up halves as planes 0 and 1 (h, d_h).
-OutView halves_view(const at::Tensor& t) {
-  const int64_t half = t.size(1) / 2;
-  return {t.data_ptr(), t.size(0), half, 2, t.size(1), half};
-}
-
-// kReduce: the TMA store adds into the output (fp32 accumulation) instead of writing it.
-template <class Cfg, bool kReduce = false>
-auto make_store_atom(const OutView& v) {
-  using T = typename Cfg::EpiT;
-  auto m = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(v.ptr)),
-                       make_shape(int(v.rows), int(v.cols), int(v.planes)),
-                       make_stride(v.ld, _1{}, v.plane_stride));
-  using StoreOp = std::conditional_t<kReduce, SM90_TMA_REDUCE_ADD, SM90_TMA_STORE>;
-  return make_tma_atom(StoreOp{}, m, typename Cfg::EpiLayout{},
-                       Shape<_64, Int<Cfg::kChunkCols>>{});
-}
-
 // out: the output (kRows: rows x N; kTokensAsK: M x N x E); h: the SwiGLU pre-activations
 // as (rows, I, 2) when stored, else the same view as out (unused).
 template <class Cfg, bool kReduce = false>
@@ -107,18 +50,15 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   // Tasks are groups of C neighbouring row tiles (one per CTA of a cluster).
   const int m_groups = (p.m_tiles + C - 1) / C;
   p.num_tasks = (p.num_tasks / p.m_tiles) * m_groups;
-  auto mA = make_tensor(make_gmem_ptr(as_bf16(a)), make_shape(a_rows, a_cols), stride_a);
-  auto mB = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(b_n, b_k, b_q), stride_b);
-  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, mA, typename Cfg::SmemLayoutA{}(_, _, 0),
-                             Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
-  using BoxB = Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>;
-  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0), BoxB{});
+  auto tma_a = make_load_a<Cfg>(a, stride_a, a_rows, a_cols);
+  auto tma_b = make_load_b<Cfg>(b, stride_b, b_n, b_k, b_q);
   auto tma_b_mc = [&] {
     if constexpr (C == 1) {
       return tma_b;
     } else {
+      auto mB = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(b_n, b_k, b_q), stride_b);
       return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
-                           BoxB{}, Int<C>{});
+                           Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{}, Int<C>{});
     }
   }();
   auto tma_o = make_store_atom<Cfg, kReduce>(out);
@@ -166,38 +106,6 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_b_mc, tma_o, tma_h,
                                     shapes));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void check_bf16_cuda(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.is_cuda(), "megatron_mok: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "megatron_mok: ", name, " must be bfloat16");
-  TORCH_CHECK(t.dim() == dim, "megatron_mok: ", name, " must have ", dim, " dimensions");
-  TORCH_CHECK(t.is_contiguous(), "megatron_mok: ", name, " must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "megatron_mok: ", name,
-              " must be 16-byte aligned");
-}
-
-GemmParams rows_params(const at::Tensor& offsets, const at::Tensor& num_rows, int64_t rows,
-                       int64_t n, int64_t k, int n_tile) {
-  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&
-                  offsets.is_contiguous(),
-              "megatron_mok: expert_offsets must be a contiguous CUDA int32 vector");
-  TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
-              "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
-  TORCH_CHECK(rows % 128 == 0, "megatron_mok: the row table must hold a multiple of 128 rows");
-  TORCH_CHECK(n > 0 && k > 0 && n % 8 == 0 && k % 8 == 0,
-              "megatron_mok: GEMM sizes must be positive multiples of 8");
-  GemmParams p{};
-  p.offsets = offsets.data_ptr<int>();
-  p.num_rows = num_rows.data_ptr<int>();
-  p.num_experts = int(offsets.numel() - 1);
-  p.rows_cap = int(rows);
-  p.N = int(n);
-  p.K = int(k);
-  p.m_tiles = int(rows / 128);
-  p.n_tiles = int((n + n_tile - 1) / n_tile);
-  p.num_tasks = p.m_tiles * p.n_tiles;
-  return p;
 }
 
 void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,

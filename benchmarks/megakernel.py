@@ -1,0 +1,121 @@
+"""Forward megakernel benchmark: the routed expert pass (pull -> fc1 + SwiGLU -> fc2 ->
+push) as one megakernel launch vs the v1 launch chain on the same grouped-GEMM core
+(pull, fc1, fc2, push) and vs the `torch._grouped_mm` chain, on the ep8-proxy shapes.
+
+    python -m benchmarks.megakernel [--shapes a,b] [--tokens 8192] [--routing balanced]
+        [--comm-sms 2,4,8,16,24] [--minibatch 1024,4096] [--iters 20] [--out DIR]
+
+Same tiles in both core paths, so the difference is launch gaps, tails and the overlap
+of the copies with the GEMMs. Every (comm SMs, minibatch) point of the sweep is timed;
+the megakernel's output rows are checked bit-equal to the launch chain's. Times are
+CUDA-event medians with an L2 flush before each iteration; FLOPs count routed rows only
+(no shared expert); the dense BF16 peak is measured in the same run.
+Results: <out>/<date>-<gpu>-megakernel-fwd.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from benchmarks import shapes as S
+from benchmarks.layer import REPO, Timer, measure_dense_peak, run_metadata
+from megatron_mok import functional as mok
+from megatron_mok import kernel_backend, megakernel
+from megatron_mok.config import MoKConfig
+
+
+def make_case(local: S.LocalShape, num_tokens: int, routing: str, device):
+    config = MoKConfig(backend="kernel")
+    gen = torch.Generator(device=device).manual_seed(0)
+    H, I, E = local.hidden, local.inter, local.num_local_experts
+    x = (torch.randn(num_tokens, H, generator=gen, device=device)).bfloat16()
+    w1 = (torch.randn(E, 2 * I, H, generator=gen, device=device) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=gen, device=device) * I ** -0.5).bfloat16()
+    idx, _ = S.make_routing(routing, num_tokens, E, local.topk, seed=0, device=device)
+    ws = mok.get_workspace(config, None, device=device, num_local_tokens=num_tokens,
+                           hidden_size=H, topk=local.topk, num_local_experts=E)
+    sched = mok.build_schedule(ws, config, idx.int())
+    ws.arena.view("x").copy_(x)  # the launch chain pulls from the arena
+    return ws, sched, x, w1, w2
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,dsv4-pro,qwen3.5-like,"
+                                        "gpt-oss-120b,mixtral-8x7b")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--routing", default="balanced")
+    ap.add_argument("--comm-sms", default="2,4,8,16,24")
+    ap.add_argument("--minibatch", default="1024,4096")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    timer = Timer(device)
+    peak = measure_dense_peak(device)
+    meta = run_metadata(device, args)
+    records = []
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{meta['date']}-{meta['gpu_short']}-megakernel-fwd.json"
+    print(f"peak {peak:.0f} TFLOP/s")
+    for name in args.shapes.split(","):
+        local = S.ep8_proxy(S.get_shape(name))
+        ws, sched, x, w1, w2 = make_case(local, args.tokens, args.routing, device)
+        flops = S.forward_flops(args.tokens, local.hidden, local.inter, local.topk)
+        floor = S.gemm_floor_ms(flops, peak)
+        rows = int(sched.num_rows.item())
+
+        def chain(core):
+            os.environ["MOK_GEMM_CORE"] = core
+            try:
+                return kernel_backend._expert_launches(ws, sched, w1, w2, local.hidden, False)
+            finally:
+                os.environ.pop("MOK_GEMM_CORE", None)
+
+        def record(path_name, ms, **extra):
+            rec = {"shape": name, "tokens": args.tokens, "routing": args.routing,
+                   "path": path_name, "ms": ms, "floor_ms": floor,
+                   "tflops": flops / (ms * 1e-3) / 1e12, "of_peak": floor / ms, **extra}
+            records.append(rec)
+            print(f"{name:14s} {path_name:22s} {ms:8.3f} ms  {rec['tflops']:6.0f} TFLOP/s  "
+                  f"{rec['of_peak']:.3f} of peak  {extra or ''}")
+            return rec
+
+        base = {}
+        for core in ("mok", "torch"):
+            times = timer.measure(lambda: None, lambda _: chain(core), args.warmup, args.iters)
+            base[core] = record(f"launches-{core}", statistics.median(times))
+        ref_y = chain("mok")[3][:rows]
+        best = None
+        for mb in [int(v) for v in args.minibatch.split(",")]:
+            for comm in [int(v) for v in args.comm_sms.split(",")]:
+                def fused(_):
+                    return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
+                                                  num_comm_sms=comm, minibatch_rows=mb)
+                y_rows = fused(None)[3][:rows]
+                same = bool(torch.equal(y_rows, ref_y))
+                times = timer.measure(lambda: None, fused, args.warmup, args.iters)
+                rec = record("megakernel", statistics.median(times), comm_sms=comm,
+                             minibatch=mb, bit_equal=same)
+                if best is None or rec["ms"] < best["ms"]:
+                    best = rec
+        print(f"{name:14s} best megakernel {best['ms']:.3f} ms (comm {best['comm_sms']}, "
+              f"minibatch {best['minibatch']}): {base['mok']['ms'] / best['ms']:.2f}x the core "
+              f"launch chain, {base['torch']['ms'] / best['ms']:.2f}x the torch chain")
+        mok.clear_workspace_cache()
+        path.write_text(json.dumps({"meta": meta, "peak_tflops": peak, "results": records},
+                                   indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

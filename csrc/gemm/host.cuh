@@ -1,0 +1,123 @@
+// Host helpers of the grouped-GEMM core shared by its launchers (grouped_gemm.cu, the
+// megakernels): argument checks, row-table parameters, TMA load and store atoms.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+
+#include "gemm/tile.cuh"
+
+namespace megatron_mok::gemm_host {
+
+using namespace cute;
+using gemm::GemmParams;
+using gemm::bf16;
+
+// Configurations, by cluster size C (MOK_GEMM_CLUSTER; 1 unless set to 2).
+// fc1 + SwiGLU: B = w1 viewed as (I, H, 2E) boxes (gate of e = 2e, up of e = 2e + 1).
+template <int C>
+using CfgFc1SwiGLU = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kSwiGLU, __nv_bfloat16, C>;
+// out = a @ w[e]^T, w [E, N, K] (fc2 forward).
+template <int C>
+using CfgRowsNT = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kStore, __nv_bfloat16, C>;
+// out = a @ w[e], w [E, K, N] (dgrad).
+template <int C>
+using CfgRowsNN = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kStore, __nv_bfloat16, C>;
+// d_h = SwiGLU'(h) * (d_out @ w2[e]), w2 [E, H, I] (fc2 dgrad fused with SwiGLU backward).
+template <int C>
+using CfgDgradSwiGLU =
+    gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd, __nv_bfloat16, C>;
+// out[e] = a[rows of e]^T @ b[rows of e] (weight gradients), bf16 or fp32 output.
+template <int C>
+using CfgWgradBf16 =
+    gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore, __nv_bfloat16, C>;
+template <int C>
+using CfgWgradF32 = gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore, float, C>;
+
+inline int num_sms(int device) {
+  static int cached[64] = {0};
+  if (cached[device] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cached[device] = n;
+  }
+  return cached[device];
+}
+
+inline const bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+
+// A 3-D output view (rows, cols, planes) for the epilogue's TMA stores.
+struct OutView {
+  void* ptr;
+  int64_t rows, cols, planes, ld, plane_stride;
+};
+
+inline OutView rows_view(const at::Tensor& t) { return {t.data_ptr(), t.size(0), t.size(1), 1, t.size(1), 0}; }
+
+// [rows, 2I] as (rows, I, 2): gate and up halves as planes 0 and 1 (h, d_h).
+inline OutView halves_view(const at::Tensor& t) {
+  const int64_t half = t.size(1) / 2;
+  return {t.data_ptr(), t.size(0), half, 2, t.size(1), half};
+}
+
+// kReduce: the TMA store adds into the output (fp32 accumulation) instead of writing it.
+template <class Cfg, bool kReduce = false>
+auto make_store_atom(const OutView& v) {
+  using T = typename Cfg::EpiT;
+  auto m = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(v.ptr)),
+                       make_shape(int(v.rows), int(v.cols), int(v.planes)),
+                       make_stride(v.ld, _1{}, v.plane_stride));
+  using StoreOp = std::conditional_t<kReduce, SM90_TMA_REDUCE_ADD, SM90_TMA_STORE>;
+  return make_tma_atom(StoreOp{}, m, typename Cfg::EpiLayout{},
+                       Shape<_64, Int<Cfg::kChunkCols>>{});
+}
+
+// TMA load atoms of a tile configuration: A (rows, K) in 128 x 64 boxes, B (N, K, Q) in
+// BN / kSplit x 64 boxes.
+template <class Cfg>
+auto make_load_a(const at::Tensor& a, typename Cfg::StrideA stride, int rows, int cols) {
+  auto m = make_tensor(make_gmem_ptr(as_bf16(a)), make_shape(rows, cols), stride);
+  return make_tma_atom(SM90_TMA_LOAD{}, m, typename Cfg::SmemLayoutA{}(_, _, 0),
+                       Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
+}
+
+template <class Cfg>
+auto make_load_b(const at::Tensor& b, typename Cfg::StrideB stride, int n, int k, int q) {
+  auto m = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(n, k, q), stride);
+  return make_tma_atom(SM90_TMA_LOAD{}, m, typename Cfg::SmemLayoutBBox{}(_, _, 0),
+                       Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
+}
+
+inline void check_bf16_cuda(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.is_cuda(), "megatron_mok: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "megatron_mok: ", name, " must be bfloat16");
+  TORCH_CHECK(t.dim() == dim, "megatron_mok: ", name, " must have ", dim, " dimensions");
+  TORCH_CHECK(t.is_contiguous(), "megatron_mok: ", name, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "megatron_mok: ", name,
+              " must be 16-byte aligned");
+}
+
+inline GemmParams rows_params(const at::Tensor& offsets, const at::Tensor& num_rows, int64_t rows,
+                       int64_t n, int64_t k, int n_tile) {
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&
+                  offsets.is_contiguous(),
+              "megatron_mok: expert_offsets must be a contiguous CUDA int32 vector");
+  TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
+              "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
+  TORCH_CHECK(rows % 128 == 0, "megatron_mok: the row table must hold a multiple of 128 rows");
+  TORCH_CHECK(n > 0 && k > 0 && n % 8 == 0 && k % 8 == 0,
+              "megatron_mok: GEMM sizes must be positive multiples of 8");
+  GemmParams p{};
+  p.offsets = offsets.data_ptr<int>();
+  p.num_rows = num_rows.data_ptr<int>();
+  p.num_experts = int(offsets.numel() - 1);
+  p.rows_cap = int(rows);
+  p.N = int(n);
+  p.K = int(k);
+  p.m_tiles = int(rows / 128);
+  p.n_tiles = int((n + n_tile - 1) / n_tile);
+  p.num_tasks = p.m_tiles * p.n_tiles;
+  return p;
+}
+
+}  // namespace megatron_mok::gemm_host

@@ -1,0 +1,129 @@
+// Host side of the forward megakernel: argument checks, TMA descriptors of fc1 and fc2,
+// one cooperative launch over every SM. Reads the row count and the expert offsets on the
+// device: nothing here synchronises with the host.
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "gemm/host.cuh"
+#include "megakernel/forward.cuh"
+
+namespace megatron_mok {
+namespace {
+
+using namespace cute;
+using namespace gemm_host;
+using megakernel::ForwardParams;
+
+using Cfg1 = CfgFc1SwiGLU<1>;  // the core's fc1 + SwiGLU tiles
+using Cfg2 = CfgRowsNT<1>;     // the core's fc2 tiles
+
+void check_int_table(const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() &&
+                  t.numel() == numel,
+              "megatron_mok: ", name, " must be a contiguous CUDA int32 tensor of ", numel,
+              " entries");
+}
+
+void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
+                 const std::optional<at::Tensor>& x_local, int64_t slots_offset,
+                 const at::Tensor& peer_rank, const at::Tensor& peer_token,
+                 const at::Tensor& peer_k, const at::Tensor& offsets, const at::Tensor& num_rows,
+                 int64_t topk, const at::Tensor& w1, const at::Tensor& w2,
+                 const at::Tensor& x_rows, const at::Tensor& act,
+                 const std::optional<at::Tensor>& h, const at::Tensor& y_rows,
+                 const at::Tensor& counters, const at::Tensor& watchdog, int64_t timeout_ms,
+                 int64_t rank, int64_t num_comm, int64_t minibatch_rows, int64_t hold_tile) {
+  check_bf16_cuda(x_rows, "x_rows", 2);
+  check_bf16_cuda(w1, "w1", 3);
+  check_bf16_cuda(w2, "w2", 3);
+  check_bf16_cuda(act, "act", 2);
+  check_bf16_cuda(y_rows, "y_rows", 2);
+  const int64_t R = x_rows.size(0), H = x_rows.size(1), E = w1.size(0), I = w1.size(1) / 2;
+  TORCH_CHECK(w1.size(1) == 2 * I && w1.size(2) == H, "megatron_mok: w1 must be [E, 2I, H]");
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I,
+              "megatron_mok: w2 must be [E, H, I]");
+  TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
+  TORCH_CHECK(y_rows.sizes() == x_rows.sizes(), "megatron_mok: y_rows must be [rows, H]");
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  for (auto [t, name] : {std::pair{&peer_rank, "peer_rank"}, {&peer_token, "peer_token"},
+                         {&peer_k, "peer_k"}}) {
+    check_int_table(*t, name, R);
+  }
+  const int64_t m_tiles = R / 128;
+  check_int_table(counters, "counters", megakernel::forward_counters_size(int(m_tiles)));
+  TORCH_CHECK(watchdog.is_pinned() && watchdog.scalar_type() == at::kLong && watchdog.numel() >= 8,
+              "megatron_mok: watchdog must be a pinned int64 tensor of 8 entries");
+  TORCH_CHECK(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong && peer_base.dim() == 1,
+              "megatron_mok: peer_base must be a CUDA int64 vector");
+  TORCH_CHECK(x_offset % 16 == 0 && slots_offset % 16 == 0,
+              "megatron_mok: symmetric offsets must be 16-byte aligned");
+  if (x_local.has_value()) check_bf16_cuda(*x_local, "x", 2);
+  TORCH_CHECK(!x_local.has_value() || x_local->size(1) == H, "megatron_mok: x must be [T, H]");
+  c10::cuda::CUDAGuard guard(x_rows.device());
+  const int sms = num_sms(x_rows.get_device());
+  TORCH_CHECK(num_comm >= 1 && num_comm < sms, "megatron_mok: the forward megakernel needs 1 to ",
+              sms - 1, " comm SMs, got ", num_comm);
+  TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
+              "megatron_mok: minibatch_rows must be a positive multiple of 128");
+
+  ForwardParams p{};
+  p.fc1 = rows_params(offsets, num_rows, R, I, H, Cfg1::BN / 2);
+  p.fc1.store_h = h.has_value();
+  p.fc2 = rows_params(offsets, num_rows, R, H, I, Cfg2::BN);
+  p.fc1_shapes = {int(R), int(H), int(I), int(H), int(2 * E)};
+  p.fc2_shapes = {int(R), int(I), int(H), int(I), int(E)};
+  p.mb_tiles = int(minibatch_rows / 128);
+  p.num_comm = int(num_comm);
+  p.counters = counters.data_ptr<int>();
+  p.peer_rank = peer_rank.data_ptr<int>();
+  p.peer_token = peer_token.data_ptr<int>();
+  p.peer_k = peer_k.data_ptr<int>();
+  p.peer_base = peer_base.data_ptr<int64_t>();
+  p.x_offset = x_offset;
+  p.slots_offset = slots_offset;
+  p.x_local = x_local.has_value() ? reinterpret_cast<const uint4*>(x_local->data_ptr()) : nullptr;
+  p.topk = int(topk);
+  p.row_vecs = int(H / 8);
+  p.x_rows = reinterpret_cast<uint4*>(x_rows.data_ptr());
+  p.y_rows = reinterpret_cast<const uint4*>(y_rows.data_ptr());
+  p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
+  p.hold_tile = int(hold_tile);
+  if (R == 0) return;
+
+  auto tma_x = make_load_a<Cfg1>(x_rows, make_stride(H, _1{}), int(R), int(H));
+  auto tma_w1 = make_load_b<Cfg1>(w1, make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E));
+  auto tma_act = make_store_atom<Cfg1>(rows_view(act));
+  auto tma_h = make_store_atom<Cfg1>(h.has_value() ? halves_view(*h) : rows_view(act));
+  auto tma_act_in = make_load_a<Cfg2>(act, make_stride(I, _1{}), int(R), int(I));
+  auto tma_w2 = make_load_b<Cfg2>(w2, make_stride(I, _1{}, H * I), int(H), int(I), int(E));
+  auto tma_y = make_store_atom<Cfg2>(rows_view(y_rows));
+  auto kernel = &megakernel::moe_forward_kernel<Cfg1, Cfg2, decltype(tma_x), decltype(tma_w1),
+                                                decltype(tma_act), decltype(tma_act_in),
+                                                decltype(tma_w2), decltype(tma_y)>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Cfg1::kSmemBytes));
+  // Cooperative: every CTA resident at once (comm and compute CTAs wait on each other), or
+  // the launch fails instead of deadlocking.
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(sms);
+  config.blockDim = dim3(Cfg1::kThreads);
+  config.dynamicSmemBytes = Cfg1::kSmemBytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_x, tma_w1, tma_act, tma_h, tma_act_in,
+                                    tma_w2, tma_y));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) { m.impl("moe_forward", &moe_forward); }
+
+}  // namespace megatron_mok

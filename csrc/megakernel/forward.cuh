@@ -1,0 +1,276 @@
+// The forward megakernel (DESIGN section 4, docs/megakernel.md): one persistent launch runs
+// the routed expert pass of a layer: pull dispatch -> fc1 + SwiGLU -> fc2 -> push combine.
+//
+//   CTAs [0, num_comm)      comm: pull the rows of every 128-row tile of the row table into
+//                           x_rows (from the peers' symmetric x, or the local x at EP = 1)
+//                           and publish pulled[m]; then, tile by tile, wait for fc2_done[m]
+//                           and push the finished rows into their owners' (token, k) slots.
+//   CTAs [num_comm, grid)   compute: the grouped-GEMM core's CTA (producer warpgroup +
+//                           two WGMMA consumer warpgroups) with a task counter over a fixed
+//                           topological order: per minibatch of mb_tiles row tiles, its fc1
+//                           tiles (banded), then its fc2 tiles. The producer waits (acquire)
+//                           for the task's inputs before its first TMA load: pulled[m] for
+//                           fc1, fc1_done[m] == 2 * fc1 column tiles for fc2. Each consumer
+//                           warpgroup publishes its half of a tile once its TMA stores have
+//                           completed.
+//
+// Every output tile has one owner and a fixed K order and the copies move bytes unchanged,
+// so the result is bitwise independent of num_comm, the minibatch and the grid. Tasks are
+// drawn in order and only wait on earlier tasks or on the comm CTAs' pulls, which wait on
+// nothing, so the pass cannot deadlock while every CTA is resident (a cooperative launch
+// guarantees that). Counters start at zero; the last CTA to leave zeroes them for the next
+// launch (stream order), so the pass needs no memset and is CUDA-graph capturable.
+#pragma once
+
+#include "gemm/tile.cuh"
+#include "megakernel/counters.cuh"
+
+namespace megatron_mok::megakernel {
+
+// Layout of the int32 counter buffer: a header, then one counter per row tile and kind.
+enum CounterSlot : int { kTaskCounter = 0, kExitCounter = 1, kCounterHeader = 2 };
+
+__host__ __device__ inline int forward_counters_size(int m_tiles) {
+  return kCounterHeader + 3 * m_tiles;
+}
+
+struct ForwardParams {
+  gemm::GemmParams fc1;   // N = I (act columns), K = H; SwiGLU epilogue
+  gemm::GemmParams fc2;   // N = H, K = I
+  gemm::OperandShapes fc1_shapes, fc2_shapes;
+  int mb_tiles;           // row tiles per minibatch
+  int num_comm;           // comm CTAs
+  int* counters;          // forward_counters_size(m_tiles) int32, zero at launch
+  // Rows: row j of the table holds route (peer_rank[j], peer_token[j], peer_k[j]), -1: padding.
+  const int* peer_rank;
+  const int* peer_token;
+  const int* peer_k;
+  const int64_t* peer_base;  // symmetric buffers of the EP ranks
+  int64_t x_offset;          // byte offset of x in them (pull source)
+  int64_t slots_offset;      // byte offset of the (token, k) slots (push destination)
+  const uint4* x_local;      // EP = 1: pull from this x instead of the peers
+  int topk;
+  int row_vecs;              // H / 8: 16-byte vectors per row
+  uint4* x_rows;             // [rows_cap, H] pulled rows (fc1's A)
+  const uint4* y_rows;       // [rows_cap, H] fc2 output (pushed)
+  Watchdog dog;
+  int hold_tile;             // tests: the pull of this tile is never published (-1: none)
+};
+
+__device__ __forceinline__ int* pulled_counter(const ForwardParams& p, int m) {
+  return p.counters + kCounterHeader + m;
+}
+__device__ __forceinline__ int* fc1_counter(const ForwardParams& p, int m) {
+  return p.counters + kCounterHeader + p.fc1.m_tiles + m;
+}
+__device__ __forceinline__ int* fc2_counter(const ForwardParams& p, int m) {
+  return p.counters + kCounterHeader + 2 * p.fc1.m_tiles + m;
+}
+
+// Row tiles in use (the row count lives on the device; padded to whole tiles).
+__device__ __forceinline__ int used_row_tiles(const gemm::GemmParams& p) {
+  const int rows = min(__ldg(p.num_rows), p.rows_cap);
+  return (rows + 127) / 128;
+}
+
+struct ForwardTask {
+  bool fc2;        // false: fc1 + SwiGLU
+  gemm::Task tile;
+};
+
+// Task t of the topological order: minibatch b holds row tiles [b * mb, b * mb + tiles);
+// its fc1 tasks come first (tiles x fc1 column tiles, banded), then its fc2 tasks.
+template <class Cfg1, class Cfg2>
+__device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& p, int t,
+                                                           int used_tiles) {
+  const int n1 = p.fc1.n_tiles, n2 = p.fc2.n_tiles;
+  const int per_mb = p.mb_tiles * (n1 + n2);
+  const int b = t / per_mb;
+  const int first = b * p.mb_tiles;
+  const int tiles = min(p.mb_tiles, used_tiles - first);
+  const int local = t - b * per_mb;
+  ForwardTask task;
+  task.fc2 = local >= tiles * n1;
+  int m;
+  if (!task.fc2) {
+    gemm::band_order(local, tiles, n1, m, task.tile.n_tile);
+  } else {
+    gemm::band_order(local - tiles * n1, tiles, n2, m, task.tile.n_tile);
+  }
+  task.tile.m_tile = first + m;
+  task.tile.expert = gemm::expert_of_row(p.fc1.offsets, p.fc1.num_experts, task.tile.m_tile * 128);
+  task.tile.k_begin = 0;
+  task.tile.k_end = task.fc2 ? (p.fc2.K + Cfg2::BK - 1) / Cfg2::BK
+                             : (p.fc1.K + Cfg1::BK - 1) / Cfg1::BK;
+  task.tile.skip = false;
+  task.tile.store = true;
+  task.tile.share_b = true;
+  return task;
+}
+
+// Comm CTA: pull every tile of this CTA, then push them as fc2 finishes them.
+__device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_tiles) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int m = blockIdx.x; m < used_tiles; m += p.num_comm) {
+    for (int r = warp; r < 128; r += warps) {
+      const int64_t j = int64_t(m) * 128 + r;
+      uint4* dst = p.x_rows + j * p.row_vecs;
+      const int src_rank = __ldg(p.peer_rank + j);
+      if (src_rank < 0) {  // padding row: zeros, so fc1 reads defined values
+        for (int v = lane; v < p.row_vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      const int64_t token = __ldg(p.peer_token + j);
+      const uint4* src = p.x_local != nullptr
+                             ? p.x_local + token * p.row_vecs
+                             : peer_ptr<const uint4>(p.peer_base, src_rank, p.x_offset) +
+                                   token * p.row_vecs;
+      for (int v = lane; v < p.row_vecs; v += 32) dst[v] = src[v];
+    }
+    fence_proxy_async_global();  // the rows are read by fc1's TMA loads
+    __syncthreads();
+    if (threadIdx.x == 0 && m != p.hold_tile) red_release_gpu_add(pulled_counter(p, m), 1);
+  }
+  const int fc2_target = 2 * p.fc2.n_tiles;
+  for (int m = blockIdx.x; m < used_tiles; m += p.num_comm) {
+    if (threadIdx.x == 0) wait_counter(fc2_counter(p, m), fc2_target, p.dog, kWaitFc2Done, m);
+    __syncthreads();
+    for (int r = warp; r < 128; r += warps) {
+      const int64_t j = int64_t(m) * 128 + r;
+      const int dst_rank = __ldg(p.peer_rank + j);
+      if (dst_rank < 0) continue;
+      const int64_t slot = int64_t(__ldg(p.peer_token + j)) * p.topk + __ldg(p.peer_k + j);
+      uint4* dst = peer_ptr<uint4>(p.peer_base, dst_rank, p.slots_offset) + slot * p.row_vecs;
+      const uint4* src = p.y_rows + j * p.row_vecs;
+      for (int v = lane; v < p.row_vecs; v += 32) dst[v] = src[v];
+    }
+  }
+}
+
+// Publish this warpgroup's half of a finished tile: its TMA stores complete, then release.
+__device__ __forceinline__ void publish_tile(int* counter) {
+  bulk_store_wait_all();
+  fence_proxy_async_global();
+  red_release_gpu_add(counter, 1);
+}
+
+template <class Cfg1, class Cfg2, class TmaA1, class TmaB1, class TmaO1, class TmaA2, class TmaB2,
+          class TmaO2>
+__global__ void __launch_bounds__(Cfg1::kThreads, 1)
+moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ TmaA1 tma_x,
+                   const __grid_constant__ TmaB1 tma_w1, const __grid_constant__ TmaO1 tma_act,
+                   const __grid_constant__ TmaO1 tma_h, const __grid_constant__ TmaA2 tma_act_in,
+                   const __grid_constant__ TmaB2 tma_w2, const __grid_constant__ TmaO2 tma_y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cute;
+  using Storage = typename Cfg1::SharedStorage;
+  static_assert(std::is_same_v<Storage, typename Cfg2::SharedStorage>,
+                "fc1 and fc2 tiles share one shared-memory layout");
+  static_assert(Cfg1::kCluster == 1 && Cfg2::kCluster == 1, "the megakernel runs 1-CTA clusters");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<Storage*>(smem_raw);
+  const int used_tiles = used_row_tiles(p.fc1);
+  const int num_tasks = used_tiles * (p.fc1.n_tiles + p.fc2.n_tiles);
+
+  if (int(blockIdx.x) < p.num_comm) {
+    forward_comm(p, used_tiles);
+  } else {
+    const int warpgroup = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+      prefetch_tma_descriptor(tma_x.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_w1.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_act.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_h.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_act_in.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_w2.get_tma_descriptor());
+      prefetch_tma_descriptor(tma_y.get_tma_descriptor());
+      gemm::init_tile_barriers<Cfg1>(smem);
+    }
+    __syncthreads();
+    gemm::TaskQueue<Storage> queue{smem};
+    int* task_counter = p.counters + kTaskCounter;
+
+    if (warpgroup == 0) {
+      // ---------------- producer: dependency waits, then the TMA loads ----------------
+      cutlass::arch::warpgroup_reg_dealloc<56>();
+      if (threadIdx.x == 0) {
+        gemm::RingPos ring;
+        const int fc1_target = 2 * p.fc1.n_tiles;
+        while (true) {
+          const int t = atomicAdd(task_counter, 1);
+          queue.push(t);
+          if (t >= num_tasks) break;
+          const ForwardTask task = decode_forward_task<Cfg1, Cfg2>(p, t, used_tiles);
+          const int m = task.tile.m_tile;
+          if (!task.fc2) {
+            wait_counter(pulled_counter(p, m), 1, p.dog, kWaitRowsPulled, m);
+            fence_proxy_async_global();
+            gemm::load_task<Cfg1>(smem, tma_x, tma_w1, tma_w1, p.fc1_shapes, task.tile, 0, ring);
+          } else {
+            wait_counter(fc1_counter(p, m), fc1_target, p.dog, kWaitFc1Done, m);
+            fence_proxy_async_global();
+            gemm::load_task<Cfg2>(smem, tma_act_in, tma_w2, tma_w2, p.fc2_shapes, task.tile, 0,
+                                  ring);
+          }
+        }
+      }
+    } else {
+      // ---------------- consumers: WGMMA, epilogue, publish ----------------
+      cutlass::arch::warpgroup_reg_alloc<224>();
+      const int ctid = threadIdx.x - 128;
+      typename Cfg1::TiledMma tiled_mma;
+      auto thr_mma = tiled_mma.get_thread_slice(ctid);
+      Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg1::SmemLayoutA{});
+      Tensor sB = make_tensor(make_smem_ptr(smem.b), typename Cfg1::SmemLayoutB{});
+      Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));
+      Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
+      Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<Cfg1::BM>, Int<Cfg1::BN>>{});
+      Tensor tCcD =
+          thr_mma.partition_C(make_identity_tensor(Shape<Int<Cfg1::BM>, Int<Cfg1::BN>>{}));
+      const int wg = warpgroup - 1;
+      gemm::EpilogueState es{wg, ctid % 128, int(get<0>(tCcD(0))) - 64 * wg,
+                             int(get<1>(tCcD(0))), 0};
+      gemm::RingPos ring;
+      // fc2 tiles are published lazily (only the comm CTAs' pushes wait on them): before the
+      // next epilogue, when their stores have long completed, or at the end.
+      int pending_fc2 = -1;
+      auto flush_fc2 = [&] {
+        if (pending_fc2 >= 0 && es.wg_thread == 0) publish_tile(fc2_counter(p, pending_fc2));
+        pending_fc2 = -1;
+      };
+      for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
+        const ForwardTask task = decode_forward_task<Cfg1, Cfg2>(p, t, used_tiles);
+        gemm::mma_task<Cfg1>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
+                             task.tile.k_end, ring, es.wg_thread);
+        flush_fc2();
+        if (!task.fc2) {
+          gemm::tile_epilogue<Cfg1>(smem, es, p.fc1, task.tile, accum, true, tma_act, tma_h);
+          if (es.wg_thread == 0) publish_tile(fc1_counter(p, task.tile.m_tile));
+        } else {
+          gemm::tile_epilogue<Cfg2>(smem, es, p.fc2, task.tile, accum, true, tma_y, tma_y);
+          pending_fc2 = task.tile.m_tile;
+        }
+      }
+      flush_fc2();
+      if (es.wg_thread == 0) bulk_store_wait_all();
+    }
+  }
+
+  // The last CTA to leave zeroes the counters for the next launch (the flag reuses the
+  // task queue's slot, idle by now).
+  int& last_cta = smem.task_id[0];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_cta = atomicAdd(p.counters + kExitCounter, 1) == int(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (last_cta) {
+    __threadfence();
+    const int n = forward_counters_size(p.fc1.m_tiles);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) p.counters[i] = 0;
+  }
+#endif
+}
+
+}  // namespace megatron_mok::megakernel

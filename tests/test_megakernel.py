@@ -1,0 +1,140 @@
+"""Forward megakernel (pull -> fc1 + SwiGLU -> fc2 -> push in one launch) on the GPU:
+bit-equal to the v1 launch chain on the same core, independent of comm SMs and minibatch,
+counters reset for the next launch (repeats, CUDA graphs), the launch count of a layer
+forward, and the watchdog. The v1 suite (test_gpu_backend.py) runs on the megakernel too,
+since it is the default forward."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_mok import functional as mok
+from megatron_mok import megakernel
+from megatron_mok.config import MoKConfig
+from moe_inputs import make_moe_inputs, rel_l2
+
+pytestmark = pytest.mark.gpu
+
+KERNEL = MoKConfig(backend="kernel")
+
+
+def _layer(hidden=2048, inter=768, experts=16, topk=8, tokens=1000, seed=0, shared=None):
+    inputs = make_moe_inputs(num_tokens=tokens, hidden=hidden, inter=inter,
+                             num_local_experts=experts, topk=topk, shared_inter=shared,
+                             seed=seed, drop_fraction=0.05, device="cuda")
+    ws = mok.get_workspace(KERNEL, None, device="cuda", num_local_tokens=tokens,
+                           hidden_size=hidden, topk=topk, num_local_experts=experts)
+    sched = mok.build_schedule(ws, KERNEL, inputs["topk_idx"])
+    return inputs, ws, sched
+
+
+def _forward(inputs, ws, sched, config=KERNEL):
+    y, ctx = mok.forward(config, ws, sched, inputs["x"], inputs["topk_w"], inputs["w1"],
+                         inputs["w2"], inputs.get("shared_w1"), inputs.get("shared_w2"))
+    return y, ctx.saved
+
+
+def test_megakernel_is_the_default_forward():
+    assert megakernel.available()
+    assert megakernel.forward_path() == "megakernel"
+
+
+@pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10)])
+def test_bit_equal_to_the_launch_chain(shape, monkeypatch):
+    hidden, inter, experts, topk = shape
+    inputs, ws, sched = _layer(hidden, inter, experts, topk, tokens=700, seed=3)
+    y, saved = _forward(inputs, ws, sched)
+    monkeypatch.setenv("MOK_FORWARD", "launches")
+    y_ref, saved_ref = _forward(inputs, ws, sched)
+    rows = int(sched.num_rows.item())
+    for name in ("x_rows", "act", "h", "y_rows"):
+        assert torch.equal(getattr(saved, name)[:rows], getattr(saved_ref, name)[:rows]), name
+    assert torch.equal(y, y_ref)
+    y_spec = mok.fused_moe(inputs["x"], inputs["topk_idx"], inputs["topk_w"], inputs["w1"],
+                           inputs["w2"], config=MoKConfig(backend="reference"))
+    assert rel_l2(y, y_spec) < 1e-2
+
+
+@pytest.mark.parametrize("num_comm", [2, 8, 24, 40])
+@pytest.mark.parametrize("minibatch", [256, 1024, 4096])
+def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch):
+    inputs, ws, sched = _layer(tokens=1500, seed=7, shared=512)
+    y_base, _ = _forward(inputs, ws, sched, KERNEL)
+    config = dataclasses.replace(KERNEL, fwd_num_comm_sms=num_comm, minibatch_size=minibatch,
+                                 macrobatch_size=max(minibatch, KERNEL.macrobatch_size))
+    y, _ = _forward(inputs, ws, sched, config)
+    assert torch.equal(y, y_base)
+
+
+def test_counters_reset_between_launches_and_in_graphs():
+    inputs, ws, sched = _layer(tokens=384, seed=11)
+    first, _ = _forward(inputs, ws, sched)
+    torch.cuda.synchronize()
+    assert int(ws.forward_counters.abs().sum()) == 0  # the last CTA zeroed them
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _forward(inputs, ws, sched)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph, _ = _forward(inputs, ws, sched)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_graph, first)
+
+
+def test_one_kernel_between_schedule_and_combine():
+    inputs, ws, sched = _layer(tokens=512, seed=5)
+    _forward(inputs, ws, sched)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _forward(inputs, ws, sched)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # EP = 1: no barrier, x is read in place; the megakernel and the combine epilogue.
+    assert len(kernels) <= 2, kernels
+    assert any("moe_forward_kernel" in k for k in kernels), kernels
+
+
+def test_bad_knobs_raise_before_launch():
+    inputs, ws, sched = _layer(tokens=256, seed=2)
+    for kwargs, match in (({"num_comm_sms": 0, "minibatch_rows": 256}, "comm"),
+                          ({"num_comm_sms": 4, "minibatch_rows": 100}, "minibatch")):
+        with pytest.raises(ValueError, match=match):
+            megakernel.moe_forward(ws, sched, inputs["x"], inputs["w1"], inputs["w2"],
+                                   save_h=False, **kwargs)
+
+
+_STUCK = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from megatron_mok import functional as mok, megakernel
+from megatron_mok.config import MoKConfig
+from moe_inputs import make_moe_inputs
+cfg = MoKConfig(backend="kernel")
+inputs = make_moe_inputs(num_tokens=512, hidden=1024, inter=512, num_local_experts=8, topk=4,
+                         seed=1, device="cuda")
+ws = mok.get_workspace(cfg, None, device="cuda", num_local_tokens=512, hidden_size=1024, topk=4,
+                       num_local_experts=8)
+sched = mok.build_schedule(ws, cfg, inputs["topk_idx"])
+megakernel.moe_forward(ws, sched, inputs["x"], inputs["w1"], inputs["w2"], save_h=False,
+                       num_comm_sms=4, minibatch_rows=256, hold_tile=1, timeout_ms=300)
+try:
+    mok.synchronize(ws)
+except RuntimeError as err:
+    print("ERROR:", err)
+"""
+
+
+def test_watchdog_reports_a_tile_that_is_never_pulled():
+    script = _STUCK.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert "stuck in the forward megakernel" in done.stdout, done.stdout + done.stderr
+    assert "row tile 1" in done.stdout, done.stdout
