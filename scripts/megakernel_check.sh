@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Forward megakernel on a GPU machine (extension built): its tests, the core's tests, the
+# v1 GPU suite (which now runs its forward on the megakernel) and the megakernel benchmark.
+# Logs under ${OUT:-gpu_out}/. Env: SKIP_V1=1, SKIP_BENCH=1, BENCH_ARGS (benchmarks.megakernel).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh
+# Smoke first: a hanging or faulting kernel must not eat the whole run.
+if ! timeout 90 $PY -m pytest -q -x tests/test_megakernel.py -k "default or bit_equal" \
+    > "$OUT/smoke_megakernel.log" 2>&1; then
+  echo "megakernel smoke FAILED:"; grep -E "^E |Error|passed|failed" "$OUT/smoke_megakernel.log" | head -30
+  tail -30 "$OUT/smoke_megakernel.log"
+  exit 1
+fi
+tail -1 "$OUT/smoke_megakernel.log"
+timeout 240 $PY -m pytest -q -ra tests/test_megakernel.py > "$OUT/test_megakernel.log" 2>&1
+grep -E "^E .*(rel|assert|Error)|^FAILED|passed|failed" "$OUT/test_megakernel.log" | head -20
+timeout 200 $PY -m pytest -q -ra tests/test_grouped_gemm.py > "$OUT/test_core.log" 2>&1
+grep -E "^FAILED|passed|failed" "$OUT/test_core.log" | head -10
+if [ "${SKIP_V1:-0}" != 1 ]; then
+  timeout 300 $PY -m pytest -q -ra -m gpu tests/test_gpu_backend.py tests/test_functional.py \
+    > "$OUT/test_v1_megakernel.log" 2>&1
+  grep -E "^FAILED|passed|failed" "$OUT/test_v1_megakernel.log" | head -20
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout 240 $PY -m benchmarks.megakernel --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_megakernel.log" | grep -vE "^\s*$" | tail -60
+fi
