@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minibatch", default="1024,4096")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     device = torch.device("cuda")

@@ -107,7 +107,7 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     config = config or MoKConfig()
     num_tokens, hidden = x.shape
     topk_idx = sched.topk_idx_all[ws.ep_rank]
-    fused = gemm_core() == "mok" and megakernel.forward_path() == "megakernel"
+    fused = gemm_core() == "mok" and megakernel.forward_path(hidden) == "megakernel"
     if ws.ep_size > 1 or not fused:  # the megakernel pulls straight from x at EP = 1
         arena.view("x").copy_(x)
     shared_out = shared_leaves = None

@@ -20,18 +20,21 @@ from megatron_mok import grouped_gemm, ops
 from megatron_mok.config import TILE_M
 
 FORWARD_PATHS = ("megakernel", "launches")
+# Comm CTAs stage 13 rows in the shared memory of a GEMM CTA (csrc/megakernel/row_mover.cuh).
+MAX_HIDDEN = 8192
 
 
 def available() -> bool:
     return ops.extension_available() and hasattr(torch.ops.megatron_mok, "moe_forward")
 
 
-def forward_path() -> str:
-    """"megakernel" (the default when built) or "launches" (v1: one launch per step)."""
+def forward_path(hidden: Optional[int] = None) -> str:
+    """"megakernel" (the default when built and H <= MAX_HIDDEN) or "launches" (v1: one
+    launch per step)."""
     path = os.environ.get("MOK_FORWARD", "megakernel")
     if path not in FORWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_FORWARD must be one of {FORWARD_PATHS}, got {path!r}")
-    if path == "megakernel" and not available():
+    if path == "megakernel" and (not available() or (hidden or 0) > MAX_HIDDEN):
         return "launches"
     return path
 
@@ -58,6 +61,9 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         raise ValueError(f"megatron_mok: minibatch_rows must be a positive multiple of {TILE_M}, "
                          f"got {minibatch_rows}")
     rows, hidden = ws.capacity, x.shape[1]
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"megatron_mok: the forward megakernel supports H <= {MAX_HIDDEN}, "
+                         f"got {hidden}")
     inter = w1.shape[1] // 2
     grouped_gemm._check_multiple_of_8(hidden=hidden, inter=inter)
     x_rows = x.new_empty(rows, hidden)

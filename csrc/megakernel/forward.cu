@@ -66,6 +66,10 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   const int sms = num_sms(x_rows.get_device());
   TORCH_CHECK(num_comm >= 1 && num_comm < sms, "megatron_mok: the forward megakernel needs 1 to ",
               sms - 1, " comm SMs, got ", num_comm);
+  TORCH_CHECK(megakernel::mover_smem_bytes(int(H * 2)) <= Cfg1::kSmemBytes,
+              "megatron_mok: the forward megakernel moves rows of at most ",
+              (Cfg1::kSmemBytes - megakernel::kMoverHeaderBytes) / (megakernel::kMoverSlots + 1) / 2,
+              " bf16 through shared memory, got H = ", H);
   TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
               "megatron_mok: minibatch_rows must be a positive multiple of 128");
 

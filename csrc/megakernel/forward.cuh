@@ -5,6 +5,8 @@
 //                           x_rows (from the peers' symmetric x, or the local x at EP = 1)
 //                           and publish pulled[m]; then, tile by tile, wait for fc2_done[m]
 //                           and push the finished rows into their owners' (token, k) slots.
+//                           Rows move with TMA bulk copies through shared memory
+//                           (row_mover.cuh).
 //   CTAs [num_comm, grid)   compute: the grouped-GEMM core's CTA (producer warpgroup +
 //                           two WGMMA consumer warpgroups) with a task counter over a fixed
 //                           topological order: per minibatch of mb_tiles row tiles, its fc1
@@ -24,6 +26,7 @@
 
 #include "gemm/tile.cuh"
 #include "megakernel/counters.cuh"
+#include "megakernel/row_mover.cuh"
 
 namespace megatron_mok::megakernel {
 
@@ -108,43 +111,76 @@ __device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& 
   return task;
 }
 
-// Comm CTA: pull every tile of this CTA, then push them as fc2 finishes them.
-__device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_tiles) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int m = blockIdx.x; m < used_tiles; m += p.num_comm) {
-    for (int r = warp; r < 128; r += warps) {
-      const int64_t j = int64_t(m) * 128 + r;
-      uint4* dst = p.x_rows + j * p.row_vecs;
-      const int src_rank = __ldg(p.peer_rank + j);
-      if (src_rank < 0) {  // padding row: zeros, so fc1 reads defined values
-        for (int v = lane; v < p.row_vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-        continue;
-      }
-      const int64_t token = __ldg(p.peer_token + j);
-      const uint4* src = p.x_local != nullptr
-                             ? p.x_local + token * p.row_vecs
-                             : peer_ptr<const uint4>(p.peer_base, src_rank, p.x_offset) +
-                                   token * p.row_vecs;
-      for (int v = lane; v < p.row_vecs; v += 32) dst[v] = src[v];
-    }
+// Comm CTA: stream the rows of this CTA's tiles (m = blockIdx.x, + num_comm, ...) into
+// x_rows, publishing pulled[m] once a tile's stores have completed; then stream them out of
+// y_rows into their owners' slots, each tile once fc2 has finished it. Thread 0 drives the
+// bulk copies; the other threads only help set up.
+__device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_tiles,
+                                             unsigned char* smem) {
+  RowMover mover = RowMover::setup(smem, p.row_vecs * 16);
+  if (threadIdx.x != 0) return;
+  const int first = blockIdx.x;
+  const int my_tiles = used_tiles > first ? (used_tiles - 1 - first) / p.num_comm + 1 : 0;
+  const int n = my_tiles * 128;
+  auto tile_of = [&](int i) { return first + (i / 128) * p.num_comm; };
+  auto row_of = [&](int i) { return int64_t(tile_of(i)) * 128 + i % 128; };
+
+  // Pull. A tile is published kMoverLag groups after its last store was committed, when
+  // wait_group<kMoverLag> says those stores completed without draining the pipeline.
+  int pending = -1;
+  int64_t pending_at = 0;
+  auto publish = [&](int tile) {
     fence_proxy_async_global();  // the rows are read by fc1's TMA loads
-    __syncthreads();
-    if (threadIdx.x == 0 && m != p.hold_tile) red_release_gpu_add(pulled_counter(p, m), 1);
-  }
+    if (tile != p.hold_tile) red_release_gpu_add(pulled_counter(p, tile), 1);
+  };
+  mover.run(
+      n,
+      [&](int i) -> RowJob {
+        const int64_t j = row_of(i);
+        void* dst = p.x_rows + j * p.row_vecs;
+        const int src_rank = __ldg(p.peer_rank + j);
+        if (src_rank < 0) return {nullptr, dst};  // padding row: zeros for fc1
+        const int64_t token = __ldg(p.peer_token + j);
+        const uint4* src = p.x_local != nullptr
+                               ? p.x_local
+                               : peer_ptr<const uint4>(p.peer_base, src_rank, p.x_offset);
+        return {src + token * p.row_vecs, dst};
+      },
+      [](int) {},
+      [&](int i) {
+        if (pending >= 0 && mover.committed - pending_at >= kMoverLag) {
+          asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kMoverLag) : "memory");
+          publish(pending);
+          pending = -1;
+        }
+        if (i % 128 == 127) {
+          pending = tile_of(i);
+          pending_at = mover.committed;
+        }
+      });
+  bulk_store_wait_all();
+  if (pending >= 0) publish(pending);
+
+  // Push, tile by tile as fc2 finishes them.
   const int fc2_target = 2 * p.fc2.n_tiles;
-  for (int m = blockIdx.x; m < used_tiles; m += p.num_comm) {
-    if (threadIdx.x == 0) wait_counter(fc2_counter(p, m), fc2_target, p.dog, kWaitFc2Done, m);
-    __syncthreads();
-    for (int r = warp; r < 128; r += warps) {
-      const int64_t j = int64_t(m) * 128 + r;
-      const int dst_rank = __ldg(p.peer_rank + j);
-      if (dst_rank < 0) continue;
-      const int64_t slot = int64_t(__ldg(p.peer_token + j)) * p.topk + __ldg(p.peer_k + j);
-      uint4* dst = peer_ptr<uint4>(p.peer_base, dst_rank, p.slots_offset) + slot * p.row_vecs;
-      const uint4* src = p.y_rows + j * p.row_vecs;
-      for (int v = lane; v < p.row_vecs; v += 32) dst[v] = src[v];
-    }
-  }
+  mover.run(
+      n,
+      [&](int i) -> RowJob {
+        const int64_t j = row_of(i);
+        const int dst_rank = __ldg(p.peer_rank + j);
+        if (dst_rank < 0) return {nullptr, nullptr};
+        const int64_t slot = int64_t(__ldg(p.peer_token + j)) * p.topk + __ldg(p.peer_k + j);
+        return {p.y_rows + j * p.row_vecs,
+                peer_ptr<uint4>(p.peer_base, dst_rank, p.slots_offset) + slot * p.row_vecs};
+      },
+      [&](int i) {
+        if (i % 128 == 0) {
+          wait_counter(fc2_counter(p, tile_of(i)), fc2_target, p.dog, kWaitFc2Done, tile_of(i));
+          fence_proxy_async_global();  // y rows were written by TMA stores: read them by TMA
+        }
+      },
+      [](int) {});
+  bulk_store_wait_all();  // shared memory must outlive the stores' reads
 }
 
 // Publish this warpgroup's half of a finished tile: its TMA stores complete, then release.
@@ -173,7 +209,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
   const int num_tasks = used_tiles * (p.fc1.n_tiles + p.fc2.n_tiles);
 
   if (int(blockIdx.x) < p.num_comm) {
-    forward_comm(p, used_tiles);
+    forward_comm(p, used_tiles, smem_raw);
   } else {
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {

@@ -1,0 +1,115 @@
+// Row mover of the megakernel's comm CTAs: one thread streams whole rows (H bf16, up to
+// 16 KB) through shared memory with 1-D TMA bulk copies, global -> smem (mbarrier
+// complete_tx) and smem -> global (bulk groups), kLag loads and kLag stores in flight.
+// A plain register copy keeps only 16 bytes per thread in flight and reached ~13 GB/s
+// per SM (benchmarks/results/2026-12-03-h200-megakernel-fwd.json, first version); the
+// bulk copies keep ~100 KB in flight per SM.
+//
+// Iteration i loads row i into slot i % kSlots and stores row i - kLag. Every iteration
+// commits exactly one bulk group (empty for a skipped row), so before slot i % kSlots is
+// reloaded, wait_group.read<kLag - 1> guarantees that the store of row i - kSlots (kLag
+// groups back) has read it.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include <cstdint>
+
+namespace megatron_mok::megakernel {
+
+constexpr int kMoverLag = 6;
+constexpr int kMoverSlots = 2 * kMoverLag;
+constexpr int kMoverHeaderBytes = 1024;  // mbarriers, then the slots and a zero row
+
+__host__ __device__ constexpr int mover_smem_bytes(int row_bytes) {
+  return kMoverHeaderBytes + (kMoverSlots + 1) * row_bytes;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One row to move: src == nullptr stores zeros (a padding row of the table); dst ==
+// nullptr moves nothing (a padding row that has no destination).
+struct RowJob {
+  const void* src;
+  void* dst;
+};
+
+struct RowMover {
+  uint64_t* bars;      // kMoverSlots mbarriers
+  char* slots;         // kMoverSlots rows, then one row of zeros
+  int row_bytes;
+  uint32_t phases;     // bit s: parity of slot s's next completion
+  int64_t committed;   // bulk groups committed so far
+
+  // All threads of the CTA: barriers and the zero row. Ends with __syncthreads().
+  __device__ static RowMover setup(unsigned char* smem, int row_bytes) {
+    RowMover m{reinterpret_cast<uint64_t*>(smem), reinterpret_cast<char*>(smem) + kMoverHeaderBytes,
+               row_bytes, 0u, 0};
+    uint4* zero = reinterpret_cast<uint4*>(m.slots + int64_t(kMoverSlots) * row_bytes);
+    for (int v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) zero[v] = make_uint4(0, 0, 0, 0);
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kMoverSlots; ++s) cutlass::arch::ClusterTransactionBarrier::init(&m.bars[s], 1);
+      cutlass::arch::fence_barrier_init();
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // zeros -> bulk stores
+    __syncthreads();
+    return m;
+  }
+
+  __device__ char* slot(int s) { return slots + int64_t(s) * row_bytes; }
+
+  __device__ void load(int s, const void* src) {
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&bars[s], row_bytes);
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(smem_addr(slot(s))), "l"(src), "r"(row_bytes), "r"(smem_addr(&bars[s]))
+        : "memory");
+  }
+
+  __device__ void store(void* dst, const void* smem_src) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"(dst), "r"(smem_addr(smem_src)), "r"(row_bytes)
+                 : "memory");
+  }
+
+  __device__ void commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    ++committed;
+  }
+
+  // Streams rows [0, n): job(i) -> RowJob, before_load(i) runs before row i is read (a
+  // dependency wait), after_commit(i) after row i's store is committed (publishing).
+  template <class Job, class BeforeLoad, class AfterCommit>
+  __device__ void run(int n, Job&& job, BeforeLoad&& before_load, AfterCommit&& after_commit) {
+    for (int i = 0; i < n + kMoverLag; ++i) {
+      if (i < n) {
+        before_load(i);
+        const RowJob r = job(i);
+        if (r.src != nullptr && r.dst != nullptr) {
+          if (i >= kMoverSlots) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kMoverLag - 1) : "memory");
+          load(i % kMoverSlots, r.src);
+        }
+      }
+      const int j = i - kMoverLag;
+      if (j >= 0) {
+        const RowJob r = job(j);
+        if (r.dst != nullptr) {
+          if (r.src != nullptr) {
+            const int s = j % kMoverSlots;
+            cutlass::arch::ClusterTransactionBarrier::wait(&bars[s], (phases >> s) & 1u);
+            phases ^= 1u << s;
+            store(r.dst, slot(s));
+          } else {
+            store(r.dst, slots + int64_t(kMoverSlots) * row_bytes);
+          }
+        }
+        commit();
+        after_commit(j);
+      }
+    }
+  }
+};
+
+}  // namespace megatron_mok::megakernel
