@@ -113,12 +113,12 @@ __device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& 
 
 // Comm CTA: stream the rows of this CTA's tiles (m = blockIdx.x, + num_comm, ...) into
 // x_rows, publishing pulled[m] once a tile's stores have completed; then stream them out of
-// y_rows into their owners' slots, each tile once fc2 has finished it. Thread 0 drives the
-// bulk copies; the other threads only help set up.
+// y_rows into their owners' slots, each tile once fc2 has finished it. Warp 0 drives the
+// bulk copies (lane 0 issues them); the other warps only help set up.
 __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_tiles,
                                              unsigned char* smem) {
   RowMover mover = RowMover::setup(smem, p.row_vecs * 16);
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x >= 32) return;  // warp 0 moves the rows
   const int first = blockIdx.x;
   const int my_tiles = used_tiles > first ? (used_tiles - 1 - first) / p.num_comm + 1 : 0;
   const int n = my_tiles * 128;
@@ -158,8 +158,10 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
           pending_at = mover.committed;
         }
       });
-  bulk_store_wait_all();
-  if (pending >= 0) publish(pending);
+  if (threadIdx.x == 0) {
+    bulk_store_wait_all();
+    if (pending >= 0) publish(pending);
+  }
 
   // Push, tile by tile as fc2 finishes them.
   const int fc2_target = 2 * p.fc2.n_tiles;
@@ -180,7 +182,7 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
         }
       },
       [](int) {});
-  bulk_store_wait_all();  // shared memory must outlive the stores' reads
+  if (threadIdx.x == 0) bulk_store_wait_all();  // smem must outlive the stores' reads
 }
 
 // Publish this warpgroup's half of a finished tile: its TMA stores complete, then release.

@@ -1,4 +1,4 @@
-// Row mover of the megakernel's comm CTAs: one thread streams whole rows (H bf16, up to
+// Row mover of the megakernel's comm CTAs: one warp streams whole rows (H bf16, up to
 // 16 KB) through shared memory with 1-D TMA bulk copies, global -> smem (mbarrier
 // complete_tx) and smem -> global (bulk groups), kLag loads and kLag stores in flight.
 // A plain register copy keeps only 16 bytes per thread in flight and reached ~13 GB/s
@@ -41,7 +41,7 @@ struct RowMover {
   char* slots;         // kMoverSlots rows, then one row of zeros
   int row_bytes;
   uint32_t phases;     // bit s: parity of slot s's next completion
-  int64_t committed;   // bulk groups committed so far
+  int64_t committed;   // bulk groups committed so far (lane 0)
 
   // All threads of the CTA: barriers and the zero row. Ends with __syncthreads().
   __device__ static RowMover setup(unsigned char* smem, int row_bytes) {
@@ -79,35 +79,56 @@ struct RowMover {
     ++committed;
   }
 
-  // Streams rows [0, n): job(i) -> RowJob, before_load(i) runs before row i is read (a
-  // dependency wait), after_commit(i) after row i's store is committed (publishing).
+  // Streams rows [0, n); called by every lane of one warp. job(i) -> RowJob (row
+  // metadata: the lanes fetch 32 rows' worth at once, so the global-load latency of the
+  // row table is paid once per 32 rows, not per row); lane 0 alone issues the copies and
+  // runs before_load(i) before row i is read (a dependency wait) and after_commit(i) once
+  // row i's store is committed (publishing).
   template <class Job, class BeforeLoad, class AfterCommit>
   __device__ void run(int n, Job&& job, BeforeLoad&& before_load, AfterCommit&& after_commit) {
+    static_assert(kMoverLag < 32, "a stored row is in the current or the previous batch");
+    const int lane = threadIdx.x % 32;
+    RowJob batch{nullptr, nullptr}, last_batch{nullptr, nullptr};  // rows (i / 32) * 32 + lane
+    auto row_job = [&](const RowJob& from, int i) {
+      return RowJob{reinterpret_cast<const void*>(__shfl_sync(~0u, (long long)from.src, i % 32)),
+                    reinterpret_cast<void*>(__shfl_sync(~0u, (long long)from.dst, i % 32))};
+    };
     for (int i = 0; i < n + kMoverLag; ++i) {
+      if (i % 32 == 0) {
+        last_batch = batch;
+        batch = i + lane < n ? job(i + lane) : RowJob{nullptr, nullptr};
+      }
       if (i < n) {
-        before_load(i);
-        const RowJob r = job(i);
-        if (r.src != nullptr && r.dst != nullptr) {
-          if (i >= kMoverSlots) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kMoverLag - 1) : "memory");
-          load(i % kMoverSlots, r.src);
+        const RowJob r = row_job(batch, i);
+        if (lane == 0) {
+          before_load(i);
+          if (r.src != nullptr && r.dst != nullptr) {
+            if (i >= kMoverSlots) {
+              asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kMoverLag - 1) : "memory");
+            }
+            load(i % kMoverSlots, r.src);
+          }
         }
       }
       const int j = i - kMoverLag;
       if (j >= 0) {
-        const RowJob r = job(j);
-        if (r.dst != nullptr) {
-          if (r.src != nullptr) {
-            const int s = j % kMoverSlots;
-            cutlass::arch::ClusterTransactionBarrier::wait(&bars[s], (phases >> s) & 1u);
-            phases ^= 1u << s;
-            store(r.dst, slot(s));
-          } else {
-            store(r.dst, slots + int64_t(kMoverSlots) * row_bytes);
+        const RowJob r = row_job(j / 32 == i / 32 ? batch : last_batch, j);
+        if (lane == 0) {
+          if (r.dst != nullptr) {
+            if (r.src != nullptr) {
+              const int s = j % kMoverSlots;
+              cutlass::arch::ClusterTransactionBarrier::wait(&bars[s], (phases >> s) & 1u);
+              phases ^= 1u << s;
+              store(r.dst, slot(s));
+            } else {
+              store(r.dst, slots + int64_t(kMoverSlots) * row_bytes);
+            }
           }
+          commit();
+          after_commit(j);
         }
-        commit();
-        after_commit(j);
       }
+      __syncwarp();
     }
   }
 };
