@@ -2,9 +2,9 @@
 
 Forward, per rank:  publish x -> barrier -> pull rows of x into row-table order ->
 grouped GEMM fc1 -> SwiGLU -> grouped GEMM fc2 -> push rows into the owners'
-(t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert). By default the steps
-from pull to push run as one launch, the forward megakernel (megatron_mok.megakernel;
-MOK_FORWARD=launches keeps them separate).
+(t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert). With
+MOK_FORWARD=megakernel the steps from pull to push run as one launch, the forward
+megakernel (megatron_mok.megakernel; not the default until it is faster).
 
 Backward: publish dy and the router weights -> barrier -> pull dy rows scaled by
 their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->

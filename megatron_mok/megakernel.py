@@ -6,7 +6,9 @@ finished expert rows into their owners' (token, k) slots; compute CTAs run the g
 core's fc1 and fc2 tiles in a fixed topological order, waiting on per-tile readiness
 counters. The combine epilogue (and the EP barrier before it) stays a separate launch.
 
-MOK_FORWARD=launches selects the v1 launch chain instead (side-by-side benchmarks).
+Not yet the default: its comm CTAs copy rows more slowly than the launch chain's copy
+kernels use the whole GPU (docs/megakernel.md, "Measured"), so at EP = 1 it is slower.
+MOK_FORWARD=megakernel selects it; the default, MOK_FORWARD=launches, is the v1 chain.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ def available() -> bool:
 
 
 def forward_path(hidden: Optional[int] = None) -> str:
-    """"megakernel" (the default when built and H <= MAX_HIDDEN) or "launches" (v1: one
-    launch per step)."""
-    path = os.environ.get("MOK_FORWARD", "megakernel")
+    """"launches" (v1: one launch per step, the default) or "megakernel" (when asked for
+    with MOK_FORWARD=megakernel, built, and H <= MAX_HIDDEN)."""
+    path = os.environ.get("MOK_FORWARD", "launches")
     if path not in FORWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_FORWARD must be one of {FORWARD_PATHS}, got {path!r}")
     if path == "megakernel" and (not available() or (hidden or 0) > MAX_HIDDEN):

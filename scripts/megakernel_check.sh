@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 # Smoke first: a hanging or faulting kernel must not eat the whole run.
-if ! timeout 90 $PY -m pytest -q -x tests/test_megakernel.py -k "default or bit_equal" \
+if ! timeout 90 $PY -m pytest -q -x tests/test_megakernel.py -k "selected or bit_equal" \
     > "$OUT/smoke_megakernel.log" 2>&1; then
   echo "megakernel smoke FAILED:"; grep -E "^E |Error|passed|failed" "$OUT/smoke_megakernel.log" | head -30
   tail -30 "$OUT/smoke_megakernel.log"
@@ -20,7 +20,7 @@ if [ "${SKIP_CORE:-0}" != 1 ]; then
   grep -E "^FAILED|passed|failed" "$OUT/test_core.log" | head -10
 fi
 if [ "${SKIP_V1:-0}" != 1 ]; then
-  timeout 300 $PY -m pytest -q -ra -m gpu tests/test_gpu_backend.py tests/test_functional.py \
+  MOK_FORWARD=megakernel timeout 300 $PY -m pytest -q -ra -m gpu tests/test_gpu_backend.py tests/test_functional.py \
     > "$OUT/test_v1_megakernel.log" 2>&1
   grep -E "^FAILED|passed|failed" "$OUT/test_v1_megakernel.log" | head -20
 fi

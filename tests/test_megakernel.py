@@ -1,8 +1,8 @@
 """Forward megakernel (pull -> fc1 + SwiGLU -> fc2 -> push in one launch) on the GPU:
 bit-equal to the v1 launch chain on the same core, independent of comm SMs and minibatch,
 counters reset for the next launch (repeats, CUDA graphs), the launch count of a layer
-forward, and the watchdog. The v1 suite (test_gpu_backend.py) runs on the megakernel too,
-since it is the default forward."""
+forward, and the watchdog. MOK_FORWARD=megakernel selects it for the whole module; the v1
+suite (test_gpu_backend.py) runs on it with MOK_FORWARD=megakernel set for the run."""
 
 import dataclasses
 import os
@@ -22,6 +22,11 @@ pytestmark = pytest.mark.gpu
 KERNEL = MoKConfig(backend="kernel")
 
 
+@pytest.fixture(autouse=True)
+def _megakernel_forward(monkeypatch):
+    monkeypatch.setenv("MOK_FORWARD", "megakernel")
+
+
 def _layer(hidden=2048, inter=768, experts=16, topk=8, tokens=1000, seed=0, shared=None):
     inputs = make_moe_inputs(num_tokens=tokens, hidden=hidden, inter=inter,
                              num_local_experts=experts, topk=topk, shared_inter=shared,
@@ -38,9 +43,12 @@ def _forward(inputs, ws, sched, config=KERNEL):
     return y, ctx.saved
 
 
-def test_megakernel_is_the_default_forward():
+def test_megakernel_is_selected_by_the_env(monkeypatch):
     assert megakernel.available()
-    assert megakernel.forward_path() == "megakernel"
+    assert megakernel.forward_path(2048) == "megakernel"
+    assert megakernel.forward_path(megakernel.MAX_HIDDEN + 8) == "launches"
+    monkeypatch.delenv("MOK_FORWARD")
+    assert megakernel.forward_path(2048) == "launches"
 
 
 @pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10)])

@@ -66,9 +66,9 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   const int sms = num_sms(x_rows.get_device());
   TORCH_CHECK(num_comm >= 1 && num_comm < sms, "megatron_mok: the forward megakernel needs 1 to ",
               sms - 1, " comm SMs, got ", num_comm);
-  TORCH_CHECK(megakernel::mover_smem_bytes(int(H * 2)) <= Cfg1::kSmemBytes,
-              "megatron_mok: the forward megakernel moves rows of at most ",
-              (Cfg1::kSmemBytes - megakernel::kMoverHeaderBytes) / (megakernel::kMoverSlots + 1) / 2,
+  const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes);
+  TORCH_CHECK(lag >= 6, "megatron_mok: the forward megakernel moves rows of at most ",
+              (Cfg1::kSmemBytes - megakernel::kMoverHeaderBytes) / 13 / 2,
               " bf16 through shared memory, got H = ", H);
   TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
               "megatron_mok: minibatch_rows must be a positive multiple of 128");
@@ -80,6 +80,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.fc1_shapes = {int(R), int(H), int(I), int(H), int(2 * E)};
   p.fc2_shapes = {int(R), int(I), int(H), int(I), int(E)};
   p.mb_tiles = int(minibatch_rows / 128);
+  p.mover_lag = lag;
   p.num_comm = int(num_comm);
   p.counters = counters.data_ptr<int>();
   p.peer_rank = peer_rank.data_ptr<int>();

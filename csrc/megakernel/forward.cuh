@@ -42,6 +42,7 @@ struct ForwardParams {
   gemm::GemmParams fc2;   // N = H, K = I
   gemm::OperandShapes fc1_shapes, fc2_shapes;
   int mb_tiles;           // row tiles per minibatch
+  int mover_lag;          // rows in flight each way in a comm CTA (mover_lag())
   int num_comm;           // comm CTAs
   int* counters;          // forward_counters_size(m_tiles) int32, zero at launch
   // Rows: row j of the table holds route (peer_rank[j], peer_token[j], peer_k[j]), -1: padding.
@@ -115,9 +116,11 @@ __device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& 
 // x_rows, publishing pulled[m] once a tile's stores have completed; then stream them out of
 // y_rows into their owners' slots, each tile once fc2 has finished it. Warp 0 drives the
 // bulk copies (lane 0 issues them); the other warps only help set up.
+template <int kMoverLag>
 __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_tiles,
                                              unsigned char* smem) {
-  RowMover mover = RowMover::setup(smem, p.row_vecs * 16);
+  using Mover = RowMover<kMoverLag>;
+  Mover mover = Mover::setup(smem, p.row_vecs * 16);
   if (threadIdx.x >= 32) return;  // warp 0 moves the rows
   const int first = blockIdx.x;
   const int my_tiles = used_tiles > first ? (used_tiles - 1 - first) / p.num_comm + 1 : 0;
@@ -211,7 +214,13 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
   const int num_tasks = used_tiles * (p.fc1.n_tiles + p.fc2.n_tiles);
 
   if (int(blockIdx.x) < p.num_comm) {
-    forward_comm(p, used_tiles, smem_raw);
+    if (p.mover_lag == 16) {
+      forward_comm<16>(p, used_tiles, smem_raw);
+    } else if (p.mover_lag == 12) {
+      forward_comm<12>(p, used_tiles, smem_raw);
+    } else {
+      forward_comm<6>(p, used_tiles, smem_raw);
+    }
   } else {
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {

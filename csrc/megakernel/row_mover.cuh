@@ -5,10 +5,12 @@
 // per SM (benchmarks/results/2026-12-03-h200-megakernel-fwd.json, first version); the
 // bulk copies keep ~100 KB in flight per SM.
 //
-// Iteration i loads row i into slot i % kSlots and stores row i - kLag. Every iteration
-// commits exactly one bulk group (empty for a skipped row), so before slot i % kSlots is
-// reloaded, wait_group.read<kLag - 1> guarantees that the store of row i - kSlots (kLag
-// groups back) has read it.
+// Iteration i loads row i into slot i % kSlots and stores row i - kLag (kSlots = 2 kLag).
+// Every iteration commits exactly one bulk group (empty for a skipped row), so before slot
+// i % kSlots is reloaded, wait_group.read<kLag - 1> guarantees that the store of row
+// i - kSlots (kLag groups back) has read it. A slot is busy for a load latency plus a
+// store's read of it (~2.7 us measured: 0.45 us per row at lag 6 whatever the row size),
+// so throughput per SM is kSlots rows per ~2.7 us: the lag is the largest that fits.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -17,12 +19,20 @@
 
 namespace megatron_mok::megakernel {
 
-constexpr int kMoverLag = 6;
-constexpr int kMoverSlots = 2 * kMoverLag;
 constexpr int kMoverHeaderBytes = 1024;  // mbarriers, then the slots and a zero row
+// Rows in flight each way: as many as shared memory holds (2 * lag slots + a zero row);
+// the lags compiled are 16, 12 and 6.
 
-__host__ __device__ constexpr int mover_smem_bytes(int row_bytes) {
-  return kMoverHeaderBytes + (kMoverSlots + 1) * row_bytes;
+__host__ __device__ constexpr int mover_smem_bytes(int lag, int row_bytes) {
+  return kMoverHeaderBytes + (2 * lag + 1) * row_bytes;
+}
+
+// The largest lag whose slots fit in smem_bytes, or 0 if none does.
+__host__ __device__ constexpr int mover_lag(int row_bytes, int smem_bytes) {
+  return mover_smem_bytes(16, row_bytes) <= smem_bytes   ? 16
+         : mover_smem_bytes(12, row_bytes) <= smem_bytes ? 12
+         : mover_smem_bytes(6, row_bytes) <= smem_bytes  ? 6
+                                                         : 0;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -36,7 +46,10 @@ struct RowJob {
   void* dst;
 };
 
+template <int kMoverLag>
 struct RowMover {
+  static constexpr int kMoverSlots = 2 * kMoverLag;
+  static_assert(kMoverSlots <= 32, "slot phases live in a 32-bit mask");
   uint64_t* bars;      // kMoverSlots mbarriers
   char* slots;         // kMoverSlots rows, then one row of zeros
   int row_bytes;
