@@ -1,6 +1,8 @@
 """Forward megakernel benchmark: the routed expert pass (pull -> fc1 + SwiGLU -> fc2 ->
 push) as one megakernel launch vs the v1 launch chain on the same grouped-GEMM core
-(pull, fc1, fc2, push) and vs the `torch._grouped_mm` chain, on the ep8-proxy shapes.
+(pull, fc1, fc2, push) and vs the `torch._grouped_mm` chain, on the ep8-proxy shapes. The
+megakernel runs in direct mode (no comm CTAs: fc1 gathers, fc2 scatters; its slots are
+checked bit-equal to the chain's) and with comm CTAs (swept; y rows checked).
 
     python -m benchmarks.megakernel [--shapes a,b] [--tokens 8192] [--routing balanced]
         [--comm-sms 2,4,8,16,24] [--minibatch 1024,4096] [--iters 20] [--out DIR]
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
                                         "gpt-oss-120b,mixtral-8x7b")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--routing", default="balanced")
-    ap.add_argument("--comm-sms", default="2,4,8,16,24")
+    ap.add_argument("--comm-sms", default="2,4,8,16,24", help="comm-CTA sweep ('' to skip)")
     ap.add_argument("--minibatch", default="1024,4096")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
@@ -95,20 +97,34 @@ def main(argv=None) -> int:
             times = timer.measure(lambda: None, lambda _: chain(core), args.warmup, args.iters)
             base[core] = record(f"launches-{core}", statistics.median(times))
         ref_y = chain("mok")[3][:rows]
+        ref_slots = ws.arena.view("slots").clone()
         best = None
         for mb in [int(v) for v in args.minibatch.split(",")]:
-            for comm in [int(v) for v in args.comm_sms.split(",")]:
+            def direct(_):
+                return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False, num_comm_sms=0,
+                                              minibatch_rows=mb, direct=True)
+            ws.arena.view("slots").zero_()
+            direct(None)
+            same = bool(torch.equal(ws.arena.view("slots"), ref_slots))
+            times = timer.measure(lambda: None, direct, args.warmup, args.iters)
+            rec = record("megakernel-direct", statistics.median(times), comm_sms=0,
+                         minibatch=mb, bit_equal=same)
+            if best is None or rec["ms"] < best["ms"]:
+                best = rec
+        for mb in [int(v) for v in args.minibatch.split(",")]:
+            for comm in [int(v) for v in args.comm_sms.split(",") if v]:
                 def fused(_):
                     return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
-                                                  num_comm_sms=comm, minibatch_rows=mb)
+                                                  num_comm_sms=comm, minibatch_rows=mb,
+                                                  direct=False)
                 y_rows = fused(None)[3][:rows]
                 same = bool(torch.equal(y_rows, ref_y))
                 times = timer.measure(lambda: None, fused, args.warmup, args.iters)
-                rec = record("megakernel", statistics.median(times), comm_sms=comm,
+                rec = record("megakernel-comm", statistics.median(times), comm_sms=comm,
                              minibatch=mb, bit_equal=same)
                 if best is None or rec["ms"] < best["ms"]:
                     best = rec
-        print(f"{name:14s} best megakernel {best['ms']:.3f} ms (comm {best['comm_sms']}, "
+        print(f"{name:14s} best {best['path']} {best['ms']:.3f} ms (comm {best['comm_sms']}, "
               f"minibatch {best['minibatch']}): {base['mok']['ms'] / best['ms']:.2f}x the core "
               f"launch chain, {base['torch']['ms'] / best['ms']:.2f}x the torch chain")
         mok.clear_workspace_cache()

@@ -68,12 +68,15 @@ TORCH_LIBRARY(megatron_mok, m) {
         "bool accumulate, int max_ctas) -> ()");
   // The forward megakernel (csrc/megakernel/): pull -> fc1 + SwiGLU -> fc2 -> push in one
   // persistent launch. x_local: EP = 1, pull from this x instead of the peers' buffers.
+  // direct (EP = 1, num_comm = 0): fc1 gathers its rows from x_local, fc2 scatters into the
+  // slots (x_rows is not written; y_rows only with store_y).
   // hold_tile >= 0 (tests) never publishes that tile's pull: the watchdog must fire.
   m.def("moe_forward(Tensor peer_base, int x_offset, Tensor? x_local, int slots_offset, "
         "Tensor peer_rank, Tensor peer_token, Tensor peer_k, Tensor expert_offsets, "
         "Tensor num_rows, int topk, Tensor w1, Tensor w2, Tensor(a!) x_rows, Tensor(b!) act, "
         "Tensor(c!)? h, Tensor(d!) y_rows, Tensor(e!) counters, Tensor(f!) watchdog, "
-        "int timeout_ms, int rank, int num_comm, int minibatch_rows, int hold_tile) -> ()");
+        "int timeout_ms, int rank, int num_comm, int minibatch_rows, bool direct, bool store_y, "
+        "int hold_tile) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

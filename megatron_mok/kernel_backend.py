@@ -99,6 +99,14 @@ class KernelSaved:
     y_rows: torch.Tensor       # [capacity, H] expert output rows
     shared_out: Optional[torch.Tensor]
     shared_leaves: Optional[tuple]
+    x: Optional[torch.Tensor] = None  # EP = 1 direct megakernel: x_rows is gathered again
+
+
+def _gather_rows(x: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
+    """x_rows of the row table at EP = 1 (padding rows zero), bit-equal to a pull."""
+    valid = (sched.peer_rank >= 0).unsqueeze(1)
+    return torch.where(valid, x[sched.peer_token.clamp(min=0).long()], torch.zeros((), dtype=x.dtype,
+                                                                                  device=x.device))
 
 
 def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, shared_w2,
@@ -107,7 +115,8 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     config = config or MoKConfig()
     num_tokens, hidden = x.shape
     topk_idx = sched.topk_idx_all[ws.ep_rank]
-    fused = gemm_core() == "mok" and megakernel.forward_path(hidden) == "megakernel"
+    path = megakernel.forward_path(hidden) if gemm_core() == "mok" else "launches"
+    fused = path != "launches"
     if ws.ep_size > 1 or not fused:  # the megakernel pulls straight from x at EP = 1
         arena.view("x").copy_(x)
     shared_out = shared_leaves = None
@@ -118,7 +127,8 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         w1, w2 = w1.contiguous(), w2.contiguous()
         x_rows, act, h, y_rows = megakernel.moe_forward(
             ws, sched, x, w1, w2, save_h=keep_ctx, num_comm_sms=config.fwd_num_comm_sms,
-            minibatch_rows=config.minibatch_size)
+            minibatch_rows=config.minibatch_size,
+            direct=ws.ep_size == 1 and path == "megakernel")
     else:
         x_rows, act, h, y_rows = _expert_launches(ws, sched, w1, w2, hidden, keep_ctx)
     arena.barrier()
@@ -128,7 +138,7 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     saved = None
     if keep_ctx:
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h, act,
-                            y_rows, shared_out, shared_leaves)
+                            y_rows, shared_out, shared_leaves, x.detach())
     return y, saved
 
 
@@ -166,6 +176,8 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
     ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out,
                   w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
+    if saved.x_rows is None:  # the direct megakernel gathered x on the fly
+        saved.x_rows = _gather_rows(saved.x, sched)
     core = gemm_core()
     if core == "mok":
         d_h = grouped_gemm.dgrad_swiglu(d_out, saved.w2, saved.h, sched.expert_offsets,

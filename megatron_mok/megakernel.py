@@ -21,7 +21,9 @@ import torch
 from megatron_mok import grouped_gemm, ops
 from megatron_mok.config import TILE_M
 
-FORWARD_PATHS = ("megakernel", "launches")
+# megakernel: direct mode at EP = 1 (no comm CTAs: fc1 gathers its rows, fc2 scatters into
+# the slots), comm CTAs at EP > 1; megakernel-comm: comm CTAs at every EP (benchmarks).
+FORWARD_PATHS = ("megakernel", "megakernel-comm", "launches")
 # Comm CTAs stage 13 rows in the shared memory of a GEMM CTA (csrc/megakernel/row_mover.cuh).
 MAX_HIDDEN = 8192
 
@@ -36,7 +38,7 @@ def forward_path(hidden: Optional[int] = None) -> str:
     path = os.environ.get("MOK_FORWARD", "launches")
     if path not in FORWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_FORWARD must be one of {FORWARD_PATHS}, got {path!r}")
-    if path == "megakernel" and (not available() or (hidden or 0) > MAX_HIDDEN):
+    if path.startswith("megakernel") and (not available() or (hidden or 0) > MAX_HIDDEN):
         return "launches"
     return path
 
@@ -47,16 +49,23 @@ def counters_size(capacity: int) -> int:
 
 
 def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
-                save_h: bool, num_comm_sms: int, minibatch_rows: int, hold_tile: int = -1,
+                save_h: bool, num_comm_sms: int, minibatch_rows: int,
+                direct: Optional[bool] = None, hold_tile: int = -1,
                 timeout_ms: Optional[int] = None):
-    """(x_rows, act, h or None, y_rows) of the routed expert pass; y rows are pushed into
-    the (token, k) slots of the arena of the rank that owns each route.
+    """(x_rows, act, h, y_rows) of the routed expert pass; y rows land in the (token, k)
+    slots of the arena of the rank that owns each route.
 
-    At EP = 1 the rows are pulled straight from x; at EP > 1 from the peers' published x
-    (arena "x", written and fenced by a barrier before this call)."""
+    direct (default at EP = 1): no comm CTAs; fc1 gathers its rows from x and fc2 writes
+    the slots itself; x_rows is then None, and y_rows and h are only written with save_h
+    (the backward's inputs). Otherwise comm CTAs pull the rows (from x at EP = 1, from the
+    peers' published arena "x" at EP > 1) and push y rows; num_comm_sms of them."""
     arena = ws.arena
+    if direct is None:
+        direct = ws.ep_size == 1
+    if direct and ws.ep_size != 1:
+        raise ValueError("megatron_mok: the direct megakernel runs at EP = 1 only")
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    if not 1 <= num_comm_sms < num_sms:
+    if not direct and not 1 <= num_comm_sms < num_sms:
         raise ValueError(f"megatron_mok: the forward megakernel needs 1 to {num_sms - 1} comm "
                          f"SMs on this GPU, got {num_comm_sms}")
     if minibatch_rows < TILE_M or minibatch_rows % TILE_M:
@@ -68,14 +77,16 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
                          f"got {hidden}")
     inter = w1.shape[1] // 2
     grouped_gemm._check_multiple_of_8(hidden=hidden, inter=inter)
-    x_rows = x.new_empty(rows, hidden)
     act = x.new_empty(rows, inter)
     h = x.new_empty(rows, 2 * inter) if save_h else None
     y_rows = x.new_empty(rows, hidden)
+    x_rows = y_rows if direct else x.new_empty(rows, hidden)  # direct: a placeholder only
     torch.ops.megatron_mok.moe_forward(
         arena.peer_base, arena.offset("x"), x if ws.ep_size == 1 else None, arena.offset("slots"),
         sched.peer_rank, sched.peer_token, sched.peer_k, sched.expert_offsets, sched.num_rows,
         ws.topk, w1, w2, x_rows, act, h, y_rows, ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
-        num_comm_sms, minibatch_rows, hold_tile)
+        0 if direct else num_comm_sms, minibatch_rows, direct, save_h, hold_tile)
+    if direct:
+        return None, act, h, (y_rows if save_h else None)
     return x_rows, act, h, y_rows

@@ -1,7 +1,9 @@
 """Forward megakernel (pull -> fc1 + SwiGLU -> fc2 -> push in one launch) on the GPU:
 bit-equal to the v1 launch chain on the same core, independent of comm SMs and minibatch,
 counters reset for the next launch (repeats, CUDA graphs), the launch count of a layer
-forward, and the watchdog. MOK_FORWARD=megakernel selects it for the whole module; the v1
+forward, and the watchdog; at EP = 1 in direct mode (fc1 gathers, fc2 scatters, no comm
+CTAs) and with comm CTAs (megakernel-comm). MOK_FORWARD=megakernel selects it for the
+whole module; the v1
 suite (test_gpu_backend.py) runs on it with MOK_FORWARD=megakernel set for the run."""
 
 import dataclasses
@@ -46,32 +48,59 @@ def _forward(inputs, ws, sched, config=KERNEL):
 def test_megakernel_is_selected_by_the_env(monkeypatch):
     assert megakernel.available()
     assert megakernel.forward_path(2048) == "megakernel"
+    monkeypatch.setenv("MOK_FORWARD", "megakernel-comm")
+    assert megakernel.forward_path(2048) == "megakernel-comm"
     assert megakernel.forward_path(megakernel.MAX_HIDDEN + 8) == "launches"
     monkeypatch.delenv("MOK_FORWARD")
     assert megakernel.forward_path(2048) == "launches"
 
 
-@pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10)])
-def test_bit_equal_to_the_launch_chain(shape, monkeypatch):
+@pytest.mark.parametrize("path", ["megakernel", "megakernel-comm"])
+@pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10),
+                                   (1032, 520, 8, 4)])  # H, I not multiples of 64
+def test_bit_equal_to_the_launch_chain(shape, path, monkeypatch):
     hidden, inter, experts, topk = shape
     inputs, ws, sched = _layer(hidden, inter, experts, topk, tokens=700, seed=3)
+    monkeypatch.setenv("MOK_FORWARD", path)
     y, saved = _forward(inputs, ws, sched)
     monkeypatch.setenv("MOK_FORWARD", "launches")
     y_ref, saved_ref = _forward(inputs, ws, sched)
     rows = int(sched.num_rows.item())
+    assert (saved.x_rows is None) == (path == "megakernel")  # direct mode gathers on the fly
     for name in ("x_rows", "act", "h", "y_rows"):
-        assert torch.equal(getattr(saved, name)[:rows], getattr(saved_ref, name)[:rows]), name
+        if getattr(saved, name) is not None:
+            assert torch.equal(getattr(saved, name)[:rows], getattr(saved_ref, name)[:rows]), name
     assert torch.equal(y, y_ref)
     y_spec = mok.fused_moe(inputs["x"], inputs["topk_idx"], inputs["topk_w"], inputs["w1"],
                            inputs["w2"], config=MoKConfig(backend="reference"))
     assert rel_l2(y, y_spec) < 1e-2
 
 
+def test_training_step_bit_equal_to_the_launch_chain(monkeypatch):
+    inputs = make_moe_inputs(num_tokens=600, hidden=1024, inter=512, num_local_experts=8,
+                             topk=4, shared_inter=256, seed=9, drop_fraction=0.05, device="cuda")
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+
+    def step():
+        leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
+                  for k, v in inputs.items()}
+        y = mok.fused_moe(**leaves, config=KERNEL)
+        y.backward(dy)
+        return [y.detach()] + [leaves[k].grad for k in ("x", "topk_w", "w1", "w2", "shared_w1")]
+
+    fused = step()
+    monkeypatch.setenv("MOK_FORWARD", "launches")
+    chain = step()
+    for a, b in zip(fused, chain):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("num_comm", [2, 8, 24, 40])
 @pytest.mark.parametrize("minibatch", [256, 1024, 4096])
-def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch):
+def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch, monkeypatch):
     inputs, ws, sched = _layer(tokens=1500, seed=7, shared=512)
     y_base, _ = _forward(inputs, ws, sched, KERNEL)
+    monkeypatch.setenv("MOK_FORWARD", "megakernel-comm" if num_comm != 40 else "megakernel")
     config = dataclasses.replace(KERNEL, fwd_num_comm_sms=num_comm, minibatch_size=minibatch,
                                  macrobatch_size=max(minibatch, KERNEL.macrobatch_size))
     y, _ = _forward(inputs, ws, sched, config)
@@ -105,14 +134,15 @@ def test_one_kernel_between_schedule_and_combine():
         _forward(inputs, ws, sched)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    # EP = 1: no barrier, x is read in place; the megakernel and the combine epilogue.
+    # EP = 1: no barrier, x is read in place (direct mode: no comm CTAs, no copies); the
+    # megakernel and the combine epilogue.
     assert len(kernels) <= 2, kernels
     assert any("moe_forward_kernel" in k for k in kernels), kernels
 
 
 def test_bad_knobs_raise_before_launch():
     inputs, ws, sched = _layer(tokens=256, seed=2)
-    for kwargs, match in (({"num_comm_sms": 0, "minibatch_rows": 256}, "comm"),
+    for kwargs, match in (({"num_comm_sms": 0, "minibatch_rows": 256, "direct": False}, "comm"),
                           ({"num_comm_sms": 4, "minibatch_rows": 100}, "minibatch")):
         with pytest.raises(ValueError, match=match):
             megakernel.moe_forward(ws, sched, inputs["x"], inputs["w1"], inputs["w2"],
@@ -132,7 +162,8 @@ ws = mok.get_workspace(cfg, None, device="cuda", num_local_tokens=512, hidden_si
                        num_local_experts=8)
 sched = mok.build_schedule(ws, cfg, inputs["topk_idx"])
 megakernel.moe_forward(ws, sched, inputs["x"], inputs["w1"], inputs["w2"], save_h=False,
-                       num_comm_sms=4, minibatch_rows=256, hold_tile=1, timeout_ms=300)
+                       num_comm_sms=4, minibatch_rows=256, direct=False, hold_tile=1,
+                       timeout_ms=300)
 try:
     mok.synchronize(ws)
 except RuntimeError as err:

@@ -56,6 +56,7 @@ struct TileStorage {
   alignas(8) uint64_t task_full[2];   // task queue: task ids, producer -> consumers
   alignas(8) uint64_t task_empty[2];
   int task_id[2];
+  int producer_task;  // megakernel: a task id broadcast to the whole producer warpgroup
 };
 
 // kCluster = 2: CTA pairs in a cluster compute neighbouring row tiles of the same N tile and,
@@ -211,11 +212,13 @@ __device__ __forceinline__ void warpgroup_bar_sync(int id) {
 }
 
 // Barriers of the operand ring and the task queue; one thread, before the CTA (cluster) syncs.
+// full_arrivals: arrivals that complete a stage besides its TMA bytes (1: the producer
+// thread; the megakernel's gathering producer warpgroup: all 128 of its threads).
 template <class Cfg, class Storage>
-__device__ __forceinline__ void init_tile_barriers(Storage& smem) {
+__device__ __forceinline__ void init_tile_barriers(Storage& smem, int full_arrivals = 1) {
   constexpr int C = Cfg::kCluster;
   for (int s = 0; s < Cfg::Stages; ++s) {
-    cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], 1);
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], full_arrivals);
     // C = 1: every consumer thread arrives. C = 2: one thread per consumer warpgroup
     // per CTA of the cluster (a stage is refilled by both CTAs' multicast).
     cutlass::arch::ClusterBarrier::init(&smem.empty[s], C == 1 ? 256 : 2 * C);
@@ -313,10 +316,12 @@ __device__ __forceinline__ void load_task(Storage& smem, const TmaA& tma_a, cons
 
 // Consumer warpgroup: the WGMMAs of K tiles [k_begin, k_end) into accum, each stage handed
 // back to the producer as soon as the WGMMAs reading it are done.
+// proxy_fence: the stage was (partly) written by cp.async, a generic-proxy write; fence it
+// against the WGMMAs' async-proxy reads.
 template <class Cfg, class Storage, class Mma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void mma_task(Storage& smem, Mma& tiled_mma, FragA& tCrA, FragB& tCrB,
                                          Acc& accum, int k_begin, int k_end, RingPos& ring,
-                                         int wg_thread) {
+                                         int wg_thread, bool proxy_fence = false) {
   using namespace cute;
   constexpr int C = Cfg::kCluster;
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
@@ -335,6 +340,7 @@ __device__ __forceinline__ void mma_task(Storage& smem, Mma& tiled_mma, FragA& t
   int prev = -1;
   for (int k = k_begin; k < k_end; ++k) {
     FullBar::wait(&smem.full[ring.stage], ring.phase);
+    if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tCrA); ++kb) {
@@ -365,10 +371,19 @@ struct EpilogueState {
 // Chunk `first_block / (CW / 8)` of the slice: values(i) gives elements i and i + 1 for the
 // accumulator index i of the chunk's column blocks; stored at 64-row tile `row_tile`, chunk
 // column `col_chunk` of plane `plane` of the view.
-template <class Cfg, class Storage, class Tma, class View, class Values>
+// after_stage(sE) runs on every thread of the warpgroup once the chunk is staged (the
+// megakernel scatters rows from it); tma_store = false skips the TMA store.
+struct NoAfterStage {
+  template <class T>
+  __device__ void operator()(const T&) const {}
+};
+
+template <class Cfg, class Storage, class Tma, class View, class Values,
+          class AfterStage = NoAfterStage>
 __device__ __forceinline__ void emit_chunk(Storage& smem, EpilogueState& es, const Tma& tma,
                                            const View& mView, int row_tile, int col_chunk,
-                                           int plane, int first_block, Values&& values) {
+                                           int plane, int first_block, Values&& values,
+                                           AfterStage&& after_stage = {}, bool tma_store = true) {
   using namespace cute;
   using Out = typename Cfg::EpiT;
   constexpr int CW = Cfg::kChunkCols;
@@ -394,7 +409,8 @@ __device__ __forceinline__ void emit_chunk(Storage& smem, EpilogueState& es, con
   }
   tma_store_fence();  // generic-proxy smem writes -> the TMA (async proxy) reads them
   warpgroup_bar_sync(1 + es.wg);
-  if (es.wg_thread == 0) {
+  after_stage(sE);
+  if (tma_store && es.wg_thread == 0) {
     Tensor gO = local_tile(mView(_, _, plane), Shape<_64, Int<CW>>{},
                            make_coord(row_tile, col_chunk));
     auto [tOgO, tOsO] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sE),

@@ -35,7 +35,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
                  const at::Tensor& x_rows, const at::Tensor& act,
                  const std::optional<at::Tensor>& h, const at::Tensor& y_rows,
                  const at::Tensor& counters, const at::Tensor& watchdog, int64_t timeout_ms,
-                 int64_t rank, int64_t num_comm, int64_t minibatch_rows, int64_t hold_tile) {
+                 int64_t rank, int64_t num_comm, int64_t minibatch_rows, bool direct,
+                 bool store_y, int64_t hold_tile) {
   check_bf16_cuda(x_rows, "x_rows", 2);
   check_bf16_cuda(w1, "w1", 3);
   check_bf16_cuda(w2, "w2", 3);
@@ -64,10 +65,13 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   TORCH_CHECK(!x_local.has_value() || x_local->size(1) == H, "megatron_mok: x must be [T, H]");
   c10::cuda::CUDAGuard guard(x_rows.device());
   const int sms = num_sms(x_rows.get_device());
-  TORCH_CHECK(num_comm >= 1 && num_comm < sms, "megatron_mok: the forward megakernel needs 1 to ",
-              sms - 1, " comm SMs, got ", num_comm);
+  TORCH_CHECK(!direct || x_local.has_value(),
+              "megatron_mok: the direct megakernel (EP = 1) gathers from a local x");
+  TORCH_CHECK(direct ? num_comm == 0 : (num_comm >= 1 && num_comm < sms),
+              "megatron_mok: the forward megakernel needs 1 to ", sms - 1,
+              " comm SMs (0 in direct mode), got ", num_comm);
   const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes);
-  TORCH_CHECK(lag >= 6, "megatron_mok: the forward megakernel moves rows of at most ",
+  TORCH_CHECK(direct || lag >= 6, "megatron_mok: the forward megakernel moves rows of at most ",
               (Cfg1::kSmemBytes - megakernel::kMoverHeaderBytes) / 13 / 2,
               " bf16 through shared memory, got H = ", H);
   TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
@@ -96,6 +100,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.y_rows = reinterpret_cast<const uint4*>(y_rows.data_ptr());
   p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
   p.hold_tile = int(hold_tile);
+  p.direct = direct;
+  p.store_y = !direct || store_y;
   if (R == 0) return;
 
   auto tma_x = make_load_a<Cfg1>(x_rows, make_stride(H, _1{}), int(R), int(H));

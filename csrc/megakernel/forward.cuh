@@ -57,6 +57,10 @@ struct ForwardParams {
   int row_vecs;              // H / 8: 16-byte vectors per row
   uint4* x_rows;             // [rows_cap, H] pulled rows (fc1's A)
   const uint4* y_rows;       // [rows_cap, H] fc2 output (pushed)
+  // Direct mode (EP = 1, no comm CTAs): fc1's producer warpgroup gathers its A rows from
+  // x_local itself and fc2's epilogue scatters finished rows straight into the slots.
+  bool direct;
+  bool store_y;              // direct mode: also store y_rows (the backward reads them)
   Watchdog dog;
   int hold_tile;             // tests: the pull of this tile is never published (-1: none)
 };
@@ -188,6 +192,112 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
   if (threadIdx.x == 0) bulk_store_wait_all();  // smem must outlive the stores' reads
 }
 
+// Direct mode, producer warpgroup: the K steps of a fc1 task. Thread r gathers row r of
+// the tile (8 x 16-byte cp.async per K step into its 128-byte line of the 128B-swizzled
+// stage, zero-filled for padding rows); thread 0 also expects and issues the TMA loads of
+// w1's gate and up boxes. Every thread arrives once per stage (the cp.async arrive fires
+// when its copies have landed), so the full barriers count 128 arrivals.
+template <class Cfg, class Storage, class TmaB>
+__device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardParams& p,
+                                                const TmaB& tma_w1, const gemm::Task& task,
+                                                gemm::RingPos& ring, int ptid) {
+  using namespace cute;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  constexpr int BM = Cfg::BM, BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
+  static_assert(BM == 128 && BK * 2 == 128, "one 128-byte line per row and K step");
+  const int64_t j = int64_t(task.m_tile) * BM + ptid;
+  const bool real = __ldg(p.peer_rank + j) >= 0;
+  const char* src = reinterpret_cast<const char*>(
+      p.x_local + (real ? int64_t(__ldg(p.peer_token + j)) * p.row_vecs : 0));
+  const uint32_t src_bytes = real ? 16 : 0;
+  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
+  Tensor mB = tma_w1.get_tma_tensor(
+      make_shape(p.fc1_shapes.b_n, p.fc1_shapes.b_k, p.fc1_shapes.b_q));
+  const uint32_t line = static_cast<uint32_t>(__cvta_generic_to_shared(smem.a)) + ptid * 128;
+  for (int k = task.k_begin; k < task.k_end; ++k) {
+    EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
+    if (ptid == 0) {
+      FullBar::expect_transaction(&smem.full[ring.stage], BNh * kSplit * BK * 2);
+      CUTE_UNROLL
+      for (int h = 0; h < kSplit; ++h) {
+        Tensor gB = local_tile(mB(_, _, task.expert * kSplit + h), Shape<Int<BNh>, Int<BK>>{},
+                               make_coord(task.n_tile, _));
+        auto [tBgB, tBsB] = tma_partition(tma_w1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
+                                          group_modes<0, 2>(gB));
+        copy(tma_w1.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
+      }
+    }
+    const uint32_t dst = line + ring.stage * (BM * BK * 2);
+    const char* src_k = src + int64_t(k) * 128;
+    CUTE_UNROLL
+    for (int c = 0; c < 8; ++c) {  // 128B swizzle: 16-byte chunk c of row r sits at c ^ (r % 8)
+      // Columns past H are zero-filled (H % 8 == 0: a chunk is all in or all out).
+      const bool in_row = (k * BK + c * 8) < p.fc1.K;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                   ::"r"(dst + ((c ^ (ptid & 7)) << 4)), "l"(in_row ? src_k + c * 16 : src),
+                   "r"(in_row ? src_bytes : 0u)
+                   : "memory");
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&smem.full[ring.stage]);
+    ring.advance<Cfg::Stages>();
+  }
+}
+
+// Direct mode, producer warpgroup: a TMA-loaded task's stages still need all 128 arrivals.
+template <class Cfg, class Storage>
+__device__ __forceinline__ void arrive_for_task(Storage& smem, const gemm::Task& task,
+                                                gemm::RingPos& ring) {
+  for (int k = task.k_begin; k < task.k_end; ++k) {
+    cutlass::arch::ClusterBarrier::wait(&smem.empty[ring.stage], ring.phase ^ 1);
+    cutlass::arch::ClusterBarrier::arrive(&smem.full[ring.stage]);
+    ring.advance<Cfg::Stages>();
+  }
+}
+
+// Direct mode, fc2 epilogue of one consumer warpgroup: each staged 64 x 64 chunk goes
+// straight from shared memory to the (token, k) slots of the rows' owners (16-byte stores;
+// thread t copies column piece t % 8 of rows t / 8 + 16 i), and to y_rows by TMA when the
+// backward needs them.
+template <class Cfg, class Storage, class Acc, class TmaO>
+__device__ __forceinline__ void scatter_fc2_epilogue(Storage& smem, gemm::EpilogueState& es,
+                                                     const ForwardParams& p, const gemm::Task& task,
+                                                     Acc& accum, const TmaO& tma_y) {
+  using namespace cute;
+  constexpr int BN = Cfg::BN, CW = Cfg::kChunkCols;
+  static_assert(CW == 64, "bf16 chunks of 64 columns: 8 pieces of 16 bytes per row");
+  const gemm::GemmParams& g = p.fc2;
+  Tensor mO = tma_y.get_tma_tensor(make_shape(g.rows_cap, g.N, 1));
+  const int piece = es.wg_thread % 8;
+  const int64_t row0 = int64_t(task.m_tile) * 128 + 64 * es.wg + es.wg_thread / 8;
+  CUTE_UNROLL
+  for (int q = 0; q < BN / CW; ++q) {
+    const int col0 = task.n_tile * BN + q * CW;
+    if (col0 < g.N) {
+      // The rows' slots are looked up per chunk (L1 hits after the first): holding four
+      // destination pointers across the chunks spilled the consumer's registers.
+      auto scatter = [=, &p](const auto& sE) {
+        const int c = col0 + piece * 8;
+        if (c >= g.N) return;
+#pragma unroll 1  // one row at a time: the accumulators are live around this
+        for (int i = 0; i < 4; ++i) {
+          const int64_t j = row0 + 16 * i;
+          const int rank = __ldg(p.peer_rank + j);
+          if (rank < 0) continue;
+          const int64_t slot = int64_t(__ldg(p.peer_token + j)) * p.topk + __ldg(p.peer_k + j);
+          __nv_bfloat16* dst = peer_ptr<__nv_bfloat16>(p.peer_base, rank, p.slots_offset);
+          *reinterpret_cast<uint4*>(dst + slot * g.N + c) =
+              *reinterpret_cast<const uint4*>(&sE(es.wg_thread / 8 + 16 * i, piece * 8));
+        }
+      };
+      gemm::emit_chunk<Cfg>(smem, es, tma_y, mO, 2 * task.m_tile + es.wg,
+                            task.n_tile * (BN / CW) + q, 0, q * (CW / 8),
+                            [&](int i) { return make_float2(accum(i), accum(i + 1)); }, scatter,
+                            p.store_y);
+    }
+  }
+}
+
 // Publish this warpgroup's half of a finished tile: its TMA stores complete, then release.
 __device__ __forceinline__ void publish_tile(int* counter) {
   bulk_store_wait_all();
@@ -231,33 +341,52 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
       prefetch_tma_descriptor(tma_act_in.get_tma_descriptor());
       prefetch_tma_descriptor(tma_w2.get_tma_descriptor());
       prefetch_tma_descriptor(tma_y.get_tma_descriptor());
-      gemm::init_tile_barriers<Cfg1>(smem);
+      gemm::init_tile_barriers<Cfg1>(smem, p.direct ? 128 : 1);
     }
     __syncthreads();
     gemm::TaskQueue<Storage> queue{smem};
     int* task_counter = p.counters + kTaskCounter;
 
     if (warpgroup == 0) {
-      // ---------------- producer: dependency waits, then the TMA loads ----------------
+      // ---------------- producer: dependency waits, then the loads ----------------
+      // Thread 0 draws the tasks and issues the TMA loads; in direct mode the whole
+      // warpgroup learns each task (fc1 rows are gathered by all 128 threads).
       cutlass::arch::warpgroup_reg_dealloc<56>();
-      if (threadIdx.x == 0) {
+      const int ptid = threadIdx.x;
+      if (ptid == 0 || p.direct) {
         gemm::RingPos ring;
         const int fc1_target = 2 * p.fc1.n_tiles;
         while (true) {
-          const int t = atomicAdd(task_counter, 1);
-          queue.push(t);
+          int t = 0;
+          if (ptid == 0) {
+            t = atomicAdd(task_counter, 1);
+            queue.push(t);
+          }
+          if (p.direct) {
+            if (ptid == 0) smem.producer_task = t;
+            asm volatile("bar.sync 3, 128;" ::: "memory");
+            t = smem.producer_task;
+            asm volatile("bar.sync 3, 128;" ::: "memory");  // read before the next write
+          }
           if (t >= num_tasks) break;
           const ForwardTask task = decode_forward_task<Cfg1, Cfg2>(p, t, used_tiles);
           const int m = task.tile.m_tile;
           if (!task.fc2) {
-            wait_counter(pulled_counter(p, m), 1, p.dog, kWaitRowsPulled, m);
-            fence_proxy_async_global();
-            gemm::load_task<Cfg1>(smem, tma_x, tma_w1, tma_w1, p.fc1_shapes, task.tile, 0, ring);
-          } else {
+            if (p.direct) {
+              gather_fc1_task<Cfg1>(smem, p, tma_w1, task.tile, ring, ptid);
+            } else {
+              wait_counter(pulled_counter(p, m), 1, p.dog, kWaitRowsPulled, m);
+              fence_proxy_async_global();
+              gemm::load_task<Cfg1>(smem, tma_x, tma_w1, tma_w1, p.fc1_shapes, task.tile, 0,
+                                    ring);
+            }
+          } else if (ptid == 0) {
             wait_counter(fc1_counter(p, m), fc1_target, p.dog, kWaitFc1Done, m);
             fence_proxy_async_global();
             gemm::load_task<Cfg2>(smem, tma_act_in, tma_w2, tma_w2, p.fc2_shapes, task.tile, 0,
                                   ring);
+          } else {  // direct mode: the full barriers count 128 arrivals, thread 0's is one
+            arrive_for_task<Cfg2>(smem, task.tile, ring);
           }
         }
       }
@@ -288,11 +417,13 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
       for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
         const ForwardTask task = decode_forward_task<Cfg1, Cfg2>(p, t, used_tiles);
         gemm::mma_task<Cfg1>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
-                             task.tile.k_end, ring, es.wg_thread);
+                             task.tile.k_end, ring, es.wg_thread, p.direct && !task.fc2);
         flush_fc2();
         if (!task.fc2) {
           gemm::tile_epilogue<Cfg1>(smem, es, p.fc1, task.tile, accum, true, tma_act, tma_h);
           if (es.wg_thread == 0) publish_tile(fc1_counter(p, task.tile.m_tile));
+        } else if (p.direct) {
+          scatter_fc2_epilogue<Cfg2>(smem, es, p, task.tile, accum, tma_y);
         } else {
           gemm::tile_epilogue<Cfg2>(smem, es, p.fc2, task.tile, accum, true, tma_y, tma_y);
           pending_fc2 = task.tile.m_tile;
