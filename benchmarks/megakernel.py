@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--comm-sms", default="2,4,8,16,24", help="comm-CTA sweep ('' to skip)")
     ap.add_argument("--minibatch", default="1024,4096")
+    ap.add_argument("--gather", default="lines,rows",
+                    help="direct-mode gathers to time (MOK_MEGAKERNEL_GATHER)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -100,17 +102,21 @@ def main(argv=None) -> int:
         ref_slots = ws.arena.view("slots").clone()
         best = None
         for mb in [int(v) for v in args.minibatch.split(",")]:
-            def direct(_):
-                return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False, num_comm_sms=0,
-                                              minibatch_rows=mb, direct=True)
-            ws.arena.view("slots").zero_()
-            direct(None)
-            same = bool(torch.equal(ws.arena.view("slots"), ref_slots))
-            times = timer.measure(lambda: None, direct, args.warmup, args.iters)
-            rec = record("megakernel-direct", statistics.median(times), comm_sms=0,
-                         minibatch=mb, bit_equal=same)
-            if best is None or rec["ms"] < best["ms"]:
-                best = rec
+            for gather in args.gather.split(","):  # MOK_MEGAKERNEL_GATHER, read per launch
+                os.environ["MOK_MEGAKERNEL_GATHER"] = gather
+
+                def direct(_):
+                    return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
+                                                  num_comm_sms=0, minibatch_rows=mb, direct=True)
+                ws.arena.view("slots").zero_()
+                direct(None)
+                same = bool(torch.equal(ws.arena.view("slots"), ref_slots))
+                times = timer.measure(lambda: None, direct, args.warmup, args.iters)
+                rec = record("megakernel-direct", statistics.median(times), comm_sms=0,
+                             minibatch=mb, gather=gather, bit_equal=same)
+                if best is None or rec["ms"] < best["ms"]:
+                    best = rec
+            os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
         for mb in [int(v) for v in args.minibatch.split(",")]:
             for comm in [int(v) for v in args.comm_sms.split(",") if v]:
                 def fused(_):

@@ -57,6 +57,7 @@ struct TileStorage {
   alignas(8) uint64_t task_empty[2];
   int task_id[2];
   int producer_task;  // megakernel: a task id broadcast to the whole producer warpgroup
+  int gather_token[128];  // megakernel direct mode: source token of each row of the task
 };
 
 // kCluster = 2: CTA pairs in a cluster compute neighbouring row tiles of the same N tile and,

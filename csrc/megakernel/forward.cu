@@ -101,6 +101,9 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
   p.hold_tile = int(hold_tile);
   p.direct = direct;
+  // MOK_MEGAKERNEL_GATHER=rows: the per-row gather of 801ab71 (A/B measurements).
+  const char* gather = std::getenv("MOK_MEGAKERNEL_GATHER");
+  p.gather_lines = gather == nullptr || std::string(gather) != "rows";
   p.store_y = !direct || store_y;
   if (R == 0) return;
 
