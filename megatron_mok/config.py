@@ -26,6 +26,8 @@ class MoKConfig:
         "reference" (pure PyTorch spec) or "kernel" (the compiled Hopper backend).
     debug_checks: validate routing values eagerly (host sync) even on the kernel
         backend, instead of only through the device-side error flag.
+    autotune: use the cached per-(GPU, shape) forward plan of megatron_mok.autotune
+        (path, comm SMs, minibatch) when there is one, instead of the knobs above.
     """
 
     fwd_num_comm_sms: int = 24
@@ -35,6 +37,7 @@ class MoKConfig:
     schedule_capacity_multiplier: float = 0.5
     backend: str = "auto"
     debug_checks: bool = False
+    autotune: bool = True
 
     def __post_init__(self):
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
@@ -55,6 +58,8 @@ class MoKConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m:
             raise ValueError(
                 f"MoKConfig.schedule_capacity_multiplier must be a positive number, got {m!r}")
+        if not isinstance(self.autotune, bool):
+            raise ValueError(f"MoKConfig.autotune must be a bool, got {self.autotune!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"MoKConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
 

@@ -3,8 +3,9 @@
 Forward, per rank:  publish x -> barrier -> pull rows of x into row-table order ->
 grouped GEMM fc1 -> SwiGLU -> grouped GEMM fc2 -> push rows into the owners'
 (t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert). With
-MOK_FORWARD=megakernel the steps from pull to push run as one launch, the forward
-megakernel (megatron_mok.megakernel; not the default until it is faster).
+MOK_FORWARD=megakernel, or a cached autotune plan that measured it fastest
+(megatron_mok.autotune), the steps from pull to push run as one launch, the forward
+megakernel (megatron_mok.megakernel).
 
 Backward: publish dy and the router weights -> barrier -> pull dy rows scaled by
 their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->
@@ -32,7 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from megatron_mok import grouped_gemm, megakernel, ops
+from megatron_mok import autotune, grouped_gemm, megakernel, ops
 from megatron_mok.config import MoKConfig
 from megatron_mok.schedule import MoKSchedule
 from megatron_mok.workspace import MoKWorkspace
@@ -115,8 +116,8 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     config = config or MoKConfig()
     num_tokens, hidden = x.shape
     topk_idx = sched.topk_idx_all[ws.ep_rank]
-    path = megakernel.forward_path(hidden) if gemm_core() == "mok" else "launches"
-    fused = path != "launches"
+    plan = autotune.forward_plan(ws, w1.shape[1] // 2, config)
+    fused = gemm_core() == "mok" and plan.path != "launches"
     if ws.ep_size > 1 or not fused:  # the megakernel pulls straight from x at EP = 1
         arena.view("x").copy_(x)
     shared_out = shared_leaves = None
@@ -126,9 +127,9 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     if fused:
         w1, w2 = w1.contiguous(), w2.contiguous()
         x_rows, act, h, y_rows = megakernel.moe_forward(
-            ws, sched, x, w1, w2, save_h=keep_ctx, num_comm_sms=config.fwd_num_comm_sms,
-            minibatch_rows=config.minibatch_size,
-            direct=ws.ep_size == 1 and path == "megakernel")
+            ws, sched, x, w1, w2, save_h=keep_ctx, num_comm_sms=plan.num_comm_sms,
+            minibatch_rows=plan.minibatch_rows,
+            direct=ws.ep_size == 1 and plan.path == "megakernel")
     else:
         x_rows, act, h, y_rows = _expert_launches(ws, sched, w1, w2, hidden, keep_ctx)
     arena.barrier()

@@ -6,9 +6,10 @@ finished expert rows into their owners' (token, k) slots; compute CTAs run the g
 core's fc1 and fc2 tiles in a fixed topological order, waiting on per-tile readiness
 counters. The combine epilogue (and the EP barrier before it) stays a separate launch.
 
-Not yet the default: its comm CTAs copy rows more slowly than the launch chain's copy
-kernels use the whole GPU (docs/megakernel.md, "Measured"), so at EP = 1 it is slower.
-MOK_FORWARD=megakernel selects it; the default, MOK_FORWARD=launches, is the v1 chain.
+Not the default path: at EP = 1 it was measured slower than the launch chain
+(docs/megakernel.md, "Measured"). MOK_FORWARD=megakernel selects it, and so does a
+cached autotune plan where it measured fastest (megatron_mok.autotune); otherwise the
+forward runs v1's launch chain.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ def available() -> bool:
     return ops.extension_available() and hasattr(torch.ops.megatron_mok, "moe_forward")
 
 
+def runnable(hidden: int) -> bool:
+    """The megakernel is built and supports this hidden size."""
+    return available() and hidden <= MAX_HIDDEN
+
+
 def forward_path(hidden: Optional[int] = None) -> str:
     """"launches" (v1: one launch per step, the default) or "megakernel" (when asked for
     with MOK_FORWARD=megakernel, built, and H <= MAX_HIDDEN)."""
     path = os.environ.get("MOK_FORWARD", "launches")
     if path not in FORWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_FORWARD must be one of {FORWARD_PATHS}, got {path!r}")
-    if path.startswith("megakernel") and (not available() or (hidden or 0) > MAX_HIDDEN):
+    if path.startswith("megakernel") and not runnable(hidden or 0):
         return "launches"
     return path
 

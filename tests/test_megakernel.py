@@ -179,3 +179,24 @@ def test_watchdog_reports_a_tile_that_is_never_pulled():
                           timeout=60)
     assert "stuck in the forward megakernel" in done.stdout, done.stdout + done.stderr
     assert "row tile 1" in done.stdout, done.stdout
+
+
+def test_autotune_times_plans_and_the_forward_uses_the_winner(tmp_path, monkeypatch):
+    from megatron_mok import autotune
+    monkeypatch.setenv("MOK_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    autotune._LOADED.clear()
+    inputs, ws, sched = _layer(tokens=512, seed=13)
+    plans = [autotune.ForwardPlan("launches", 0, 0), autotune.ForwardPlan("megakernel", 0, 256),
+             autotune.ForwardPlan("megakernel-comm", 4, 512)]
+    best, timings = autotune.tune(ws, sched, inputs["x"], inputs["w1"], inputs["w2"],
+                                  plans=plans, warmup=1, iters=2)
+    assert len(timings) == 3 and all(ms > 0 for ms in timings.values())
+    assert best == min(plans, key=lambda p: timings[autotune._name(p)])
+    autotune._LOADED.clear()  # read back from disk
+    monkeypatch.delenv("MOK_FORWARD")
+    assert autotune.forward_plan(ws, inputs["w1"].shape[1] // 2, KERNEL) == best
+    y, _ = _forward(inputs, ws, sched)  # on the tuned plan
+    monkeypatch.setenv("MOK_FORWARD", "launches")
+    y_ref, _ = _forward(inputs, ws, sched)
+    assert torch.equal(y, y_ref)
+    autotune._LOADED.clear()

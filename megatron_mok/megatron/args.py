@@ -50,6 +50,9 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(sizes the row table; overflow raises).")
     group.add_argument("--mok-debug-checks", action="store_true",
                        help="Validate routing eagerly (host sync) on the kernel backend.")
+    group.add_argument("--mok-no-autotune", action="store_true",
+                       help="Ignore the cached autotune plan (megatron_mok.autotune); use "
+                            "the --mok-* knobs and the launch chain.")
     return parser
 
 
@@ -63,4 +66,5 @@ def mok_config_from_args(args: argparse.Namespace) -> MoKConfig:
         schedule_capacity_multiplier=args.mok_capacity_multiplier,
         backend=args.mok_backend,
         debug_checks=args.mok_debug_checks,
+        autotune=not getattr(args, "mok_no_autotune", False),
     )

@@ -1,0 +1,60 @@
+"""Fill the autotune cache (megatron_mok.autotune) for the ep8-proxy shapes on this GPU:
+time every forward plan (launch chain, direct megakernel x minibatch, comm megakernel x
+comm SMs x minibatch) and store the fastest per (GPU, shape).
+
+    python -m benchmarks.autotune [--shapes a,b] [--tokens 8192] [--iters 5] [--out DIR]
+
+The cache goes to $MOK_AUTOTUNE_CACHE (default ~/.cache/megatron_mok/autotune.json); the
+timings also to <out>/<date>-<gpu>-autotune.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks import shapes as S
+from benchmarks.layer import REPO, run_metadata
+from benchmarks.megakernel import make_case
+from megatron_mok import autotune
+from megatron_mok.functional import clear_workspace_cache
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,dsv4-pro,qwen3.5-like,"
+                                        "gpt-oss-120b,mixtral-8x7b")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--routing", default="balanced")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    meta = run_metadata(device, args)
+    results = {}
+    for name in args.shapes.split(","):
+        local = S.ep8_proxy(S.get_shape(name))
+        ws, sched, x, w1, w2 = make_case(local, args.tokens, args.routing, device)
+        best, timings = autotune.tune(ws, sched, x, w1, w2, warmup=args.warmup, iters=args.iters)
+        key = autotune.workspace_key(ws, local.inter)
+        results[key] = {"best": best.__dict__, "timings_ms": timings}
+        fastest = min(timings.values())
+        print(f"{name:14s} best {autotune._name(best):32s} {fastest:8.3f} ms "
+              f"(launches {timings['launches']:.3f} ms)")
+        clear_workspace_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{meta['date']}-{meta['gpu_short']}-autotune.json"
+    path.write_text(json.dumps({"meta": meta, "cache": str(autotune.cache_file()),
+                                "results": results}, indent=1))
+    print(f"cache {autotune.cache_file()}; timings {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Per (GPU, shape) choice of the forward path and its knobs, measured once and cached.
+
+The kernel backend's forward can run as v1's launch chain or as the forward megakernel
+(direct mode at EP = 1; comm CTAs at EP > 1, with comm SMs x minibatch knobs). Which one
+is fastest depends on the shape and the GPU (docs/megakernel.md, "Measured"), so
+`tune()` times the candidates on a real workspace and stores the fastest under a key of
+the GPU name and the shape; `forward_plan()` (called by every kernel-backend forward)
+uses a cached plan when there is one. Precedence: MOK_FORWARD in the environment, then
+the cache (MoKConfig.autotune), then the launch chain with the config's knobs.
+
+Cache: JSON at $MOK_AUTOTUNE_CACHE (default ~/.cache/megatron_mok/autotune.json), read
+once per process. Fill it with `python -m benchmarks.autotune` or by calling `tune()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megatron_mok import megakernel
+
+MINIBATCHES = (1024, 2048, 4096)
+COMM_SMS = (4, 8, 16, 24)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPlan:
+    path: str             # "launches", "megakernel" or "megakernel-comm" (FORWARD_PATHS)
+    num_comm_sms: int     # comm CTAs (comm mode only)
+    minibatch_rows: int   # rows per readiness counter (megakernel only)
+
+
+def cache_file() -> Path:
+    env = os.environ.get("MOK_AUTOTUNE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "megatron_mok" / "autotune.json"
+
+
+def plan_key(gpu: str, num_tokens: int, hidden: int, inter: int, num_local_experts: int,
+             topk: int, ep_size: int) -> str:
+    return f"{gpu}|T={num_tokens}|H={hidden}|I={inter}|E_loc={num_local_experts}|K={topk}|EP={ep_size}"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def workspace_key(ws, inter: int) -> str:
+    gpu = _device_name(ws.device)
+    return plan_key(gpu, ws.num_tokens, ws.hidden_size, inter, ws.num_local_experts, ws.topk,
+                    ws.ep_size)
+
+
+_LOADED: dict = {}  # cache file path -> its entries
+
+
+def _entries() -> dict:
+    path = cache_file()
+    key = str(path)
+    if key not in _LOADED:
+        entries = {}
+        if path.exists():
+            try:
+                entries = json.loads(path.read_text())
+            except (OSError, ValueError) as err:
+                warnings.warn(f"megatron_mok: ignoring the unreadable autotune cache {path}: {err}")
+        _LOADED[key] = entries
+    return _LOADED[key]
+
+
+def lookup(key: str) -> Optional[ForwardPlan]:
+    entry = _entries().get(key)
+    if entry is None:
+        return None
+    plan = entry.get("plan", {})
+    if plan.get("path") not in megakernel.FORWARD_PATHS:
+        return None
+    return ForwardPlan(plan["path"], int(plan["num_comm_sms"]), int(plan["minibatch_rows"]))
+
+
+def store(key: str, plan: ForwardPlan, timings_ms: dict) -> None:
+    entries = _entries()
+    entries[key] = {"plan": dataclasses.asdict(plan), "timings_ms": timings_ms}
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: concurrent readers see the old or the new file
+
+
+def forward_plan(ws, inter: int, config) -> ForwardPlan:
+    """The forward path and knobs for this workspace: MOK_FORWARD, else the cached plan
+    (config.autotune), else the launch chain with the config's knobs."""
+    default = ForwardPlan("launches", config.fwd_num_comm_sms, config.minibatch_size)
+    if "MOK_FORWARD" in os.environ:
+        return dataclasses.replace(default, path=megakernel.forward_path(ws.hidden_size))
+    plan = lookup(workspace_key(ws, inter)) if config.autotune else None
+    if plan is None or (plan.path != "launches" and not megakernel.runnable(ws.hidden_size)):
+        return default
+    return plan
+
+
+def candidates(ep_size: int, num_sms: int) -> list[ForwardPlan]:
+    plans = [ForwardPlan("launches", 0, 0)]
+    if ep_size == 1:
+        plans += [ForwardPlan("megakernel", 0, mb) for mb in MINIBATCHES]
+    comm_path = "megakernel-comm" if ep_size == 1 else "megakernel"
+    plans += [ForwardPlan(comm_path, c, mb) for c in COMM_SMS if c < num_sms
+              for mb in MINIBATCHES[1:]]
+    return plans
+
+
+def _run(plan: ForwardPlan, ws, sched, x, w1, w2):
+    from megatron_mok import kernel_backend
+    if plan.path == "launches":
+        ws.arena.view("x").copy_(x)
+        return kernel_backend._expert_launches(ws, sched, w1, w2, x.shape[1], False)
+    return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
+                                  num_comm_sms=plan.num_comm_sms,
+                                  minibatch_rows=plan.minibatch_rows,
+                                  direct=plan.path == "megakernel" and ws.ep_size == 1)
+
+
+def tune(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+         plans: Optional[list] = None, warmup: int = 2, iters: int = 5,
+         save: bool = True) -> tuple[ForwardPlan, dict]:
+    """Time the expert pass of every candidate plan on this workspace and routing (the
+    median of `iters` CUDA-event timings; at EP > 1 the slowest rank's time, so every rank
+    picks the same plan) and return (fastest plan, {plan: ms}); stored in the cache with
+    `save`. Collective at EP > 1: every rank must call it with the same plans."""
+    if ws.arena is None:
+        raise ValueError("megatron_mok: autotune needs a kernel-backend workspace")
+    if not megakernel.available():
+        raise RuntimeError("megatron_mok: the extension was built without the megakernel")
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    plans = plans or candidates(ws.ep_size, num_sms)
+    if ws.hidden_size > megakernel.MAX_HIDDEN:
+        plans = [p for p in plans if p.path == "launches"]
+    w1, w2 = w1.contiguous(), w2.contiguous()
+    ws.arena.view("x").copy_(x)  # EP > 1: the peers pull it (the real forward publishes it too)
+    timings = {}
+    for plan in plans:
+        times = []
+        for i in range(warmup + iters):
+            ws.arena.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _run(plan, ws, sched, x, w1, w2)
+            end.record()
+            if i >= warmup:
+                times.append((start, end))
+        torch.cuda.synchronize(x.device)
+        ms = torch.tensor(statistics.median(s.elapsed_time(e) for s, e in times),
+                          device=x.device)
+        if ws.group is not None:
+            torch.distributed.all_reduce(ms, op=torch.distributed.ReduceOp.MAX, group=ws.group)
+        timings[_name(plan)] = float(ms)
+    best = min(plans, key=lambda p: timings[_name(p)])
+    if save and (ws.group is None or torch.distributed.get_rank(ws.group) == 0):
+        store(workspace_key(ws, w1.shape[1] // 2), best, timings)
+    elif save:  # the other ranks only need it in memory
+        _entries()[workspace_key(ws, w1.shape[1] // 2)] = {"plan": dataclasses.asdict(best),
+                                                           "timings_ms": timings}
+    return best, timings
+
+
+def _name(plan: ForwardPlan) -> str:
+    if plan.path == "launches":
+        return "launches"
+    if plan.path == "megakernel" and plan.num_comm_sms == 0:
+        return f"megakernel-direct/mb{plan.minibatch_rows}"
+    return f"{plan.path}/comm{plan.num_comm_sms}/mb{plan.minibatch_rows}"

@@ -1,0 +1,98 @@
+"""Autotune cache and plan resolution (CPU): keys, the JSON cache, precedence of
+MOK_FORWARD over the cache over the config, candidates per EP size, the config flag and
+its Megatron argument. The GPU side (tune() timing real plans) is in test_megakernel.py."""
+
+import argparse
+import types
+
+import pytest
+import torch
+
+from megatron_mok import autotune, megakernel
+from megatron_mok.config import MoKConfig
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOK_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.delenv("MOK_FORWARD", raising=False)
+    autotune._LOADED.clear()
+    yield
+    autotune._LOADED.clear()
+
+
+def _ws(ep_size=1, hidden=2048):
+    return types.SimpleNamespace(device=torch.device("cpu"), num_tokens=4096, hidden_size=hidden,
+                                 num_local_experts=16, topk=8, ep_size=ep_size)
+
+
+def test_plan_key_names_gpu_and_shape():
+    key = autotune.plan_key("NVIDIA H200", 8192, 7168, 2048, 32, 8, 1)
+    assert key == "NVIDIA H200|T=8192|H=7168|I=2048|E_loc=32|K=8|EP=1"
+    assert autotune.workspace_key(_ws(), 768) == "cpu|T=4096|H=2048|I=768|E_loc=16|K=8|EP=1"
+
+
+def test_store_then_lookup_from_disk():
+    plan = autotune.ForwardPlan("megakernel", 0, 2048)
+    autotune.store("k", plan, {"launches": 1.5, "megakernel-direct/mb2048": 1.2})
+    autotune._LOADED.clear()  # a new process reads the file
+    assert autotune.lookup("k") == plan
+    assert autotune.lookup("other") is None
+
+
+def test_unreadable_cache_is_ignored_with_a_warning():
+    autotune.cache_file().write_text("{not json")
+    with pytest.warns(UserWarning, match="autotune cache"):
+        assert autotune.lookup("k") is None
+
+
+def test_cached_plan_with_an_unknown_path_is_ignored():
+    autotune.store("k", autotune.ForwardPlan("warp-drive", 0, 0), {})
+    assert autotune.lookup("k") is None
+
+
+def test_precedence_env_over_cache_over_config(monkeypatch):
+    monkeypatch.setattr(megakernel, "available", lambda: True)
+    config = MoKConfig(fwd_num_comm_sms=12, minibatch_size=1024)
+    ws = _ws()
+    default = autotune.ForwardPlan("launches", 12, 1024)
+    assert autotune.forward_plan(ws, 768, config) == default  # no cache entry
+    cached = autotune.ForwardPlan("megakernel", 0, 4096)
+    autotune.store(autotune.workspace_key(ws, 768), cached, {})
+    assert autotune.forward_plan(ws, 768, config) == cached
+    assert autotune.forward_plan(ws, 768, MoKConfig(autotune=False)) == \
+        autotune.ForwardPlan("launches", 24, 4096)
+    monkeypatch.setenv("MOK_FORWARD", "launches")
+    assert autotune.forward_plan(ws, 768, config) == default
+    monkeypatch.setenv("MOK_FORWARD", "megakernel")
+    assert autotune.forward_plan(ws, 768, config) == autotune.ForwardPlan("megakernel", 12, 1024)
+
+
+def test_cached_megakernel_plan_falls_back_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(megakernel, "available", lambda: True)
+    ws = _ws(hidden=megakernel.MAX_HIDDEN + 8)
+    autotune.store(autotune.workspace_key(ws, 768), autotune.ForwardPlan("megakernel", 0, 2048), {})
+    assert autotune.forward_plan(ws, 768, MoKConfig()).path == "launches"
+    monkeypatch.setattr(megakernel, "available", lambda: False)
+    ws = _ws()
+    autotune.store(autotune.workspace_key(ws, 768), autotune.ForwardPlan("megakernel", 0, 2048), {})
+    assert autotune.forward_plan(ws, 768, MoKConfig()).path == "launches"
+
+
+def test_candidates_per_ep_size():
+    ep1 = autotune.candidates(1, 132)
+    assert ep1[0].path == "launches"
+    assert {p.minibatch_rows for p in ep1 if p.path == "megakernel"} == set(autotune.MINIBATCHES)
+    assert all(p.num_comm_sms == 0 for p in ep1 if p.path == "megakernel")
+    ep8 = autotune.candidates(8, 132)
+    assert not any(p.path == "megakernel" and p.num_comm_sms == 0 for p in ep8)  # no direct
+    assert all(0 < p.num_comm_sms < 20 for p in autotune.candidates(8, 20) if p.path != "launches")
+
+
+def test_config_flag_and_megatron_argument():
+    with pytest.raises(ValueError, match="autotune"):
+        MoKConfig(autotune="yes")
+    from megatron_mok.megatron.args import add_mok_args, mok_config_from_args
+    parser = add_mok_args(argparse.ArgumentParser())
+    assert mok_config_from_args(parser.parse_args([])).autotune
+    assert not mok_config_from_args(parser.parse_args(["--mok-no-autotune"])).autotune
