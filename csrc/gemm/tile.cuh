@@ -391,7 +391,15 @@ __device__ __forceinline__ void emit_chunk(Storage& smem, EpilogueState& es, con
   const int buf = es.buf;
   es.buf ^= 1;
   Out* chunk = smem.epi + (es.wg * 2 + buf) * Cfg::kChunkElems;
-  if (es.wg_thread == 0) tma_store_wait<1>();  // this buffer's previous store has read it
+  // This buffer's previous store has read it: with one bulk group per chunk, all but the
+  // newest group. A chunk without a TMA store commits no group, so then drain them all.
+  if (es.wg_thread == 0) {
+    if (tma_store) {
+      tma_store_wait<1>();
+    } else {
+      tma_store_wait<0>();
+    }
+  }
   warpgroup_bar_sync(1 + es.wg);
   Tensor sE = make_tensor(make_smem_ptr(chunk), typename Cfg::EpiLayout{});
   CUTE_UNROLL

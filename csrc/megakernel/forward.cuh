@@ -379,6 +379,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
           }
           if (p.direct) {
             if (ptid == 0) smem.producer_task = t;
+            __syncwarp();  // bar.sync is .aligned: warp 0 reconverges after lane 0's work
             asm volatile("bar.sync 3, 128;" ::: "memory");
             t = smem.producer_task;
             asm volatile("bar.sync 3, 128;" ::: "memory");  // read before the next write
