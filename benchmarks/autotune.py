@@ -2,7 +2,7 @@
 time every forward plan (launch chain, direct megakernel x minibatch, comm megakernel x
 comm SMs x minibatch) and store the fastest per (GPU, shape).
 
-    python -m benchmarks.autotune [--shapes a,b] [--tokens 8192] [--iters 5] [--out DIR]
+    python -m benchmarks.autotune [--shapes a,b] [--tokens 4096,8192] [--iters 5] [--out DIR]
 
 The cache goes to $MOK_AUTOTUNE_CACHE (default ~/.cache/megatron_mok/autotune.json); the
 timings also to <out>/<date>-<gpu>-autotune.json.
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,dsv4-pro,qwen3.5-like,"
                                         "gpt-oss-120b,mixtral-8x7b")
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", default="4096,8192", help="T values, comma-separated")
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
@@ -38,15 +38,17 @@ def main(argv=None) -> int:
     meta = run_metadata(device, args)
     results = {}
     for name in args.shapes.split(","):
-        local = S.ep8_proxy(S.get_shape(name))
-        ws, sched, x, w1, w2 = make_case(local, args.tokens, args.routing, device)
-        best, timings = autotune.tune(ws, sched, x, w1, w2, warmup=args.warmup, iters=args.iters)
-        key = autotune.workspace_key(ws, local.inter)
-        results[key] = {"best": best.__dict__, "timings_ms": timings}
-        fastest = min(timings.values())
-        print(f"{name:14s} best {autotune._name(best):32s} {fastest:8.3f} ms "
-              f"(launches {timings['launches']:.3f} ms)")
-        clear_workspace_cache()
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            local = S.ep8_proxy(S.get_shape(name))
+            ws, sched, x, w1, w2 = make_case(local, tokens, args.routing, device)
+            best, timings = autotune.tune(ws, sched, x, w1, w2, warmup=args.warmup,
+                                          iters=args.iters)
+            key = autotune.workspace_key(ws, local.inter)
+            results[key] = {"best": best.__dict__, "timings_ms": timings}
+            fastest = min(timings.values())
+            print(f"{name:14s} T={tokens:5d} best {autotune._name(best):32s} {fastest:8.3f} ms "
+                  f"(launches {timings['launches']:.3f} ms)")
+            clear_workspace_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{meta['date']}-{meta['gpu_short']}-autotune.json"

@@ -293,6 +293,12 @@ class MokBackend(Backend):
             from megatron_mok.kernel_backend import gemm_core
             self.info["gemm_core"] = gemm_core()
             self.info["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
+            # Which forward path ran: MOK_FORWARD, else the autotune cache's plan, else the
+            # launch chain (megatron_mok.autotune.forward_plan).
+            from megatron_mok import autotune
+            self.info["mok_forward"] = os.environ.get("MOK_FORWARD", "auto")
+            cache = autotune.cache_file()
+            self.info["autotune_cache"] = str(cache) if cache.exists() else None
 
     def run(self, inp):
         return self.fused_moe(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors(),

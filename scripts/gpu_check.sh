@@ -8,7 +8,9 @@
 #
 # Environment: GPU_TESTS=0 / DEMO=0 / BENCH=0 skip a part; BENCH_ARGS are passed to
 # `python -m benchmarks.layer` (e.g. "--shapes deepseek-v3 --tokens 4096");
-# BENCH_TIMEOUT (s) bounds the benchmark (it keeps what it measured when cut short).
+# BENCH_TIMEOUT (s) bounds the benchmark (it keeps what it measured when cut short);
+# AUTOTUNE=1 first caches the fastest forward plan per shape (benchmarks.autotune, cache in
+# $OUT/autotune_cache.json), which the layer benchmark's `mok` then uses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -27,6 +29,10 @@ if [ "${DEMO:-1}" = 1 ]; then
   PYTHON=$PY bash examples/demo.sh > "$OUT/demo.log" 2>&1 || status=1
   grep -F "[megatron_mok] step" "$OUT/demo.log" | tail -5
   demo_line="$(grep -cF '[megatron_mok] step' "$OUT/demo.log") step lines; $(grep '^demo:' "$OUT/demo.log" | tail -1)"
+fi
+if [ "${BENCH:-1}" = 1 ] && [ "${AUTOTUNE:-0}" = 1 ]; then
+  export MOK_AUTOTUNE_CACHE="$OUT/autotune_cache.json"
+  timeout "${AUTOTUNE_TIMEOUT:-300}" $PY -m benchmarks.autotune --out "$OUT" 2>&1 | tee "$OUT/autotune.log" | tail -8
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" $PY -m benchmarks.layer --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
