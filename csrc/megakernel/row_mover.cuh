@@ -2,15 +2,15 @@
 // 16 KB) through shared memory with 1-D TMA bulk copies, global -> smem (mbarrier
 // complete_tx) and smem -> global (bulk groups), kLag loads and kLag stores in flight.
 // A plain register copy keeps only 16 bytes per thread in flight and reached ~13 GB/s
-// per SM (benchmarks/results/2026-12-03-h200-megakernel-fwd.json, first version); the
-// bulk copies keep ~100 KB in flight per SM.
+// per SM (benchmarks/results/2026-12-03-h200-megakernel-fwd-281f69d.json); the bulk
+// copies keep up to ~100 KB in flight per SM.
 //
 // Iteration i loads row i into slot i % kSlots and stores row i - kLag (kSlots = 2 kLag).
 // Every iteration commits exactly one bulk group (empty for a skipped row), so before slot
 // i % kSlots is reloaded, wait_group.read<kLag - 1> guarantees that the store of row
-// i - kSlots (kLag groups back) has read it. A slot is busy for a load latency plus a
-// store's read of it (~2.7 us measured: 0.45 us per row at lag 6 whatever the row size),
-// so throughput per SM is kSlots rows per ~2.7 us: the lag is the largest that fits.
+// i - kSlots (kLag groups back) has read it. The lag is the largest whose slots fit.
+// Measured: ~0.4 us per row per comm SM whatever the row size and the lag (6 or 16), so
+// slot occupancy is not the limit; the cause is open (docs/perf-notes.md, megakernel v4).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
