@@ -15,6 +15,9 @@
 //                           fc1, fc1_done[m] == 2 * fc1 column tiles for fc2. Each consumer
 //                           warpgroup publishes its half of a tile once its TMA stores have
 //                           completed.
+//   Direct mode (EP = 1, num_comm = 0): no comm CTAs; fc1's producer warpgroup gathers its
+//                           rows from x itself (gather_fc1_task) and fc2's epilogue writes
+//                           the slots (scatter_fc2_epilogue); only fc1 -> fc2 is waited on.
 //
 // Every output tile has one owner and a fixed K order and the copies move bytes unchanged,
 // so the result is bitwise independent of num_comm, the minibatch and the grid. Tasks are
