@@ -106,8 +106,8 @@ class KernelSaved:
 def _gather_rows(x: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
     """x_rows of the row table at EP = 1 (padding rows zero), bit-equal to a pull."""
     valid = (sched.peer_rank >= 0).unsqueeze(1)
-    return torch.where(valid, x[sched.peer_token.clamp(min=0).long()], torch.zeros((), dtype=x.dtype,
-                                                                                  device=x.device))
+    rows = x[sched.peer_token.clamp(min=0).long()]
+    return torch.where(valid, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, shared_w2,
