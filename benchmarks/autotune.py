@@ -25,8 +25,7 @@ from megatron_mok.functional import clear_workspace_cache
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,dsv4-pro,qwen3.5-like,"
-                                        "gpt-oss-120b,mixtral-8x7b")
+    ap.add_argument("--shapes", default=",".join(S.SHAPES))
     ap.add_argument("--tokens", default="4096,8192", help="T values, comma-separated")
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--warmup", type=int, default=2)

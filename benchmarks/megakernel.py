@@ -49,8 +49,7 @@ def make_case(local: S.LocalShape, num_tokens: int, routing: str, device):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,dsv4-pro,qwen3.5-like,"
-                                        "gpt-oss-120b,mixtral-8x7b")
+    ap.add_argument("--shapes", default=",".join(S.SHAPES))
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--comm-sms", default="2,4,8,16,24", help="comm-CTA sweep ('' to skip)")

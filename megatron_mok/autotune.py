@@ -86,9 +86,12 @@ def lookup(key: str) -> Optional[ForwardPlan]:
     return ForwardPlan(plan["path"], int(plan["num_comm_sms"]), int(plan["minibatch_rows"]))
 
 
-def store(key: str, plan: ForwardPlan, timings_ms: dict) -> None:
+def store(key: str, plan: ForwardPlan, timings_ms: dict, write: bool = True) -> None:
+    """Remember the plan in this process and, with `write`, in the cache file."""
     entries = _entries()
     entries[key] = {"plan": dataclasses.asdict(plan), "timings_ms": timings_ms}
+    if not write:
+        return
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -164,11 +167,9 @@ def tune(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
             torch.distributed.all_reduce(ms, op=torch.distributed.ReduceOp.MAX, group=ws.group)
         timings[_name(plan)] = float(ms)
     best = min(plans, key=lambda p: timings[_name(p)])
-    if save and (ws.group is None or torch.distributed.get_rank(ws.group) == 0):
-        store(workspace_key(ws, w1.shape[1] // 2), best, timings)
-    elif save:  # the other ranks only need it in memory
-        _entries()[workspace_key(ws, w1.shape[1] // 2)] = {"plan": dataclasses.asdict(best),
-                                                           "timings_ms": timings}
+    if save:  # one rank writes the file; the others only need the plan in memory
+        store(workspace_key(ws, w1.shape[1] // 2), best, timings,
+              write=ws.group is None or torch.distributed.get_rank(ws.group) == 0)
     return best, timings
 
 
