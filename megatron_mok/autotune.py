@@ -27,7 +27,7 @@ import torch
 
 from megatron_mok import megakernel
 
-MINIBATCHES = (1024, 2048, 4096)
+MINIBATCHES = (1024, 2048, 4096, 8192)
 COMM_SMS = (4, 8, 16, 24)
 
 

@@ -316,13 +316,13 @@ __device__ __forceinline__ void load_task(Storage& smem, const TmaA& tma_a, cons
 }
 
 // Consumer warpgroup: the WGMMAs of K tiles [k_begin, k_end) into accum, each stage handed
-// back to the producer as soon as the WGMMAs reading it are done.
-// proxy_fence: the stage was (partly) written by cp.async, a generic-proxy write; fence it
-// against the WGMMAs' async-proxy reads.
+// back to the producer as soon as the WGMMAs reading it are done. Stages written through
+// the generic proxy (cp.async gathers) must be fenced by their writers before the full
+// barrier: a fence here would also wait for the previous stage's WGMMAs.
 template <class Cfg, class Storage, class Mma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void mma_task(Storage& smem, Mma& tiled_mma, FragA& tCrA, FragB& tCrB,
                                          Acc& accum, int k_begin, int k_end, RingPos& ring,
-                                         int wg_thread, bool proxy_fence = false) {
+                                         int wg_thread) {
   using namespace cute;
   constexpr int C = Cfg::kCluster;
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
@@ -341,7 +341,6 @@ __device__ __forceinline__ void mma_task(Storage& smem, Mma& tiled_mma, FragA& t
   int prev = -1;
   for (int k = k_begin; k < k_end; ++k) {
     FullBar::wait(&smem.full[ring.stage], ring.phase);
-    if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tCrA); ++kb) {

@@ -10,7 +10,8 @@
 //   CTAs [num_comm, grid)   compute: the grouped-GEMM core's CTA (producer warpgroup +
 //                           two WGMMA consumer warpgroups) with a task counter over a fixed
 //                           topological order: per minibatch of mb_tiles row tiles, its fc1
-//                           tiles (banded), then its fc2 tiles. The producer waits (acquire)
+//                           tiles (banded), then, one minibatch later, its fc2 tiles
+//                           (decode_forward_task). The producer waits (acquire)
 //                           for the task's inputs before its first TMA load: pulled[m] for
 //                           fc1, fc1_done[m] == 2 * fc1 column tiles for fc2. Each consumer
 //                           warpgroup publishes its half of a tile once its TMA stores have
@@ -90,24 +91,40 @@ struct ForwardTask {
   gemm::Task tile;
 };
 
-// Task t of the topological order: minibatch b holds row tiles [b * mb, b * mb + tiles);
-// its fc1 tasks come first (tiles x fc1 column tiles, banded), then its fc2 tasks.
+// Task t of the topological order, skewed by one minibatch so that fc2 never waits on fc1
+// tasks drawn just before it: fc1(0), fc1(1), fc2(0), fc1(2), fc2(1), ..., fc2(nb - 1), where
+// minibatch b holds row tiles [b * mb, b * mb + tiles) and each of its fc1 and fc2 phases
+// runs tiles x column tiles, banded. Every task comes after the tasks it waits on, so the
+// persistent CTAs, drawing in order, cannot deadlock. Only the last minibatch is partial.
 template <class Cfg1, class Cfg2>
 __device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& p, int t,
                                                            int used_tiles) {
-  const int n1 = p.fc1.n_tiles, n2 = p.fc2.n_tiles;
-  const int per_mb = p.mb_tiles * (n1 + n2);
-  const int b = t / per_mb;
-  const int first = b * p.mb_tiles;
-  const int tiles = min(p.mb_tiles, used_tiles - first);
-  const int local = t - b * per_mb;
+  const int n1 = p.fc1.n_tiles, n2 = p.fc2.n_tiles, mb = p.mb_tiles;
+  const int nb = (used_tiles + mb - 1) / mb;
+  auto tiles_of = [&](int b) { return min(mb, used_tiles - b * mb); };
+  const int fc1_first = tiles_of(0) * n1;
+  const int per_pair = mb * (n1 + n2);  // fc1(q + 1) then fc2(q), q < nb - 1
+  const int pairs_end = nb == 1 ? fc1_first
+                                : fc1_first + (nb - 2) * per_pair + tiles_of(nb - 1) * n1 + mb * n2;
   ForwardTask task;
-  task.fc2 = local >= tiles * n1;
+  int b, local;
+  if (t < fc1_first) {
+    b = 0, local = t, task.fc2 = false;
+  } else if (t >= pairs_end) {
+    b = nb - 1, local = t - pairs_end, task.fc2 = true;
+  } else {
+    const int q = (t - fc1_first) / per_pair;
+    const int r = t - fc1_first - q * per_pair, f = tiles_of(q + 1) * n1;
+    task.fc2 = r >= f;
+    b = task.fc2 ? q : q + 1;
+    local = task.fc2 ? r - f : r;
+  }
+  const int first = b * mb, tiles = tiles_of(b);
   int m;
   if (!task.fc2) {
     gemm::band_order(local, tiles, n1, m, task.tile.n_tile);
   } else {
-    gemm::band_order(local - tiles * n1, tiles, n2, m, task.tile.n_tile);
+    gemm::band_order(local, tiles, n2, m, task.tile.n_tile);
   }
   task.tile.m_tile = first + m;
   task.tile.expert = gemm::expert_of_row(p.fc1.offsets, p.fc1.num_experts, task.tile.m_tile * 128);
@@ -199,13 +216,26 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
 // Direct mode, producer warpgroup: the K steps of a fc1 task. The 128 threads gather the
 // tile's 128 rows x 128 bytes per K step with 16-byte cp.async into the 128B-swizzled
 // stage (chunk c of row r at c ^ (r % 8)), zero-filled for padding rows and columns past
-// H; thread 0 also expects and issues the TMA loads of w1's gate and up boxes. Every
-// thread arrives once per stage (the cp.async arrive fires when its copies have landed),
-// so the full barriers count 128 arrivals.
+// H; thread 0 also expects and issues the TMA loads of w1's gate and up boxes.
+// cp.async writes are generic-proxy writes and WGMMA reads through the async proxy, so a
+// proxy fence must separate them. The producer, not the consumers, pays for it: each
+// thread commits a stage's copies as one group, and kGatherLag stages later waits for that
+// group, fences and arrives on the stage's full barrier (128 arrivals). A fence in the
+// consumers (before the stage's WGMMAs, 801ab71..06adf47) also waited for the previous
+// stage's WGMMAs still in flight, serialising the tensor pipe.
 //   gather_lines (default): lane l of warp w copies chunk l % 8 of rows 16 i + 4 w + l / 8,
 //     so one warp instruction reads four whole 128-byte lines (4 requests);
 //   otherwise thread r copies the 8 chunks of row r: 32 rows and 32 requests of 16 bytes
 //     per warp instruction (801ab71, measured ~25 % slower than TMA in fc1).
+constexpr int kGatherLag = 2;  // stages of gathered copies in flight before they are signalled
+
+// This thread's gathered copies of a stage have landed: hand them to the async proxy, then
+// arrive (release) on the stage's full barrier.
+__device__ __forceinline__ void signal_gathered(uint64_t& full) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  cutlass::arch::ClusterBarrier::arrive(&full);
+}
+
 template <class Cfg, class Storage, class TmaB>
 __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardParams& p,
                                                 const TmaB& tma_w1, const gemm::Task& task,
@@ -215,6 +245,7 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr int BM = Cfg::BM, BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
   static_assert(BM == 128 && BK * 2 == 128, "one 128-byte line per row and K step");
+  static_assert(kGatherLag < Cfg::Stages, "a stage is signalled before the producer needs it again");
   const int lane = ptid & 31, warp = ptid >> 5;
   auto row_of = [&](int i) { return p.gather_lines ? 16 * i + 4 * warp + (lane >> 3) : ptid; };
   auto chunk_of = [&](int i) { return p.gather_lines ? (lane & 7) : i; };
@@ -257,9 +288,17 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
                    ::"r"(stage + r * 128 + ((c ^ (r & 7)) << 4)), "l"(src), "r"(in ? 16u : 0u)
                    : "memory");
     }
-    cutlass::arch::cpasync_barrier_arrive_noinc(&smem.full[ring.stage]);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    if (k - task.k_begin >= kGatherLag) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(kGatherLag) : "memory");
+      signal_gathered(smem.full[(ring.stage + Cfg::Stages - kGatherLag) % Cfg::Stages]);
+    }
     ring.advance<Cfg::Stages>();
   }
+  // The task's last stages (up to kGatherLag): all its copies, then their arrivals in order.
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  const int tail = min(kGatherLag, task.k_end - task.k_begin);
+  for (int i = tail; i > 0; --i) signal_gathered(smem.full[(ring.stage + Cfg::Stages - i) % Cfg::Stages]);
 }
 
 // Direct mode, producer warpgroup: a TMA-loaded task's stages still need all 128 arrivals.
@@ -436,7 +475,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
       for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
         const ForwardTask task = decode_forward_task<Cfg1, Cfg2>(p, t, used_tiles);
         gemm::mma_task<Cfg1>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
-                             task.tile.k_end, ring, es.wg_thread, p.direct && !task.fc2);
+                             task.tile.k_end, ring, es.wg_thread);
         flush_fc2();
         if (!task.fc2) {
           gemm::tile_epilogue<Cfg1>(smem, es, p.fc1, task.tile, accum, true, tma_act, tma_h);
