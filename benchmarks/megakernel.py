@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="balanced")
     ap.add_argument("--comm-sms", default="2,4,8,16,24", help="comm-CTA sweep ('' to skip)")
     ap.add_argument("--minibatch", default="1024,4096")
-    ap.add_argument("--gather", default="lines,rows",
+    ap.add_argument("--gather", default="tma,lines",
                     help="direct-mode gathers to time (MOK_MEGAKERNEL_GATHER)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)

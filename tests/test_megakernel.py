@@ -55,8 +55,8 @@ def test_megakernel_is_selected_by_the_env(monkeypatch):
     assert megakernel.forward_path(2048) == "launches"
 
 
-@pytest.mark.parametrize("path, gather", [("megakernel", "lines"), ("megakernel", "rows"),
-                                          ("megakernel-comm", "lines")])
+@pytest.mark.parametrize("path, gather", [("megakernel", "tma"), ("megakernel", "lines"),
+                                          ("megakernel", "rows"), ("megakernel-comm", "tma")])
 @pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10),
                                    (1032, 520, 8, 4)])  # H, I not multiples of 64
 def test_bit_equal_to_the_launch_chain(shape, path, gather, monkeypatch):

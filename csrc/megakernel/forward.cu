@@ -27,6 +27,33 @@ void check_int_table(const at::Tensor& t, const char* name, int64_t numel) {
               " entries");
 }
 
+// MOK_MEGAKERNEL_GATHER = tma (default) | lines | rows: how direct mode gathers fc1's rows
+// (A/B measurements, docs/megakernel.md).
+int gather_mode() {
+  const char* env = std::getenv("MOK_MEGAKERNEL_GATHER");
+  const std::string mode = env == nullptr ? "tma" : env;
+  if (mode == "tma") return megakernel::kGatherTma;
+  if (mode == "lines") return megakernel::kGatherLines;
+  TORCH_CHECK(mode == "rows", "megatron_mok: MOK_MEGAKERNEL_GATHER must be tma, lines or rows, got ",
+              mode);
+  return megakernel::kGatherRows;
+}
+
+// x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (one 128-byte row piece), 128B swizzle.
+cute::TmaDescriptor row_map(const at::Tensor& x) {
+  cute::TmaDescriptor map{};
+  cuuint64_t dims[2] = {cuuint64_t(x.size(1)), cuuint64_t(x.size(0))};
+  cuuint64_t strides[1] = {cuuint64_t(x.stride(0) * 2)};
+  cuuint32_t box[2] = {64, 1};
+  cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x.data_ptr(), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for x (", int(r), ")");
+  return map;
+}
+
 void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
                  const std::optional<at::Tensor>& x_local, int64_t slots_offset,
                  const at::Tensor& peer_rank, const at::Tensor& peer_token,
@@ -101,9 +128,11 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
   p.hold_tile = int(hold_tile);
   p.direct = direct;
-  // MOK_MEGAKERNEL_GATHER=rows: the per-row gather of 801ab71 (A/B measurements).
-  const char* gather = std::getenv("MOK_MEGAKERNEL_GATHER");
-  p.gather_lines = gather == nullptr || std::string(gather) != "rows";
+  p.gather = gather_mode();
+  if (direct && p.gather == megakernel::kGatherTma) {
+    p.num_tokens = int(x_local->size(0));
+    p.x_row_map = row_map(*x_local);
+  }
   p.store_y = !direct || store_y;
   if (R == 0) return;
 

@@ -41,6 +41,10 @@ __host__ __device__ inline int forward_counters_size(int m_tiles) {
   return kCounterHeader + 3 * m_tiles;
 }
 
+// Direct mode's fc1 gather (MOK_MEGAKERNEL_GATHER): one TMA box per row and K step; or
+// 16-byte cp.async, each warp instruction reading four whole 128-byte lines or 32 rows.
+enum GatherMode : int { kGatherTma = 0, kGatherLines = 1, kGatherRows = 2 };
+
 struct ForwardParams {
   gemm::GemmParams fc1;   // N = I (act columns), K = H; SwiGLU epilogue
   gemm::GemmParams fc2;   // N = H, K = I
@@ -64,7 +68,10 @@ struct ForwardParams {
   // Direct mode (EP = 1, no comm CTAs): fc1's producer warpgroup gathers its A rows from
   // x_local itself and fc2's epilogue scatters finished rows straight into the slots.
   bool direct;
-  bool gather_lines;         // direct mode: gather whole 128-byte lines per warp instruction
+  int gather;                // direct mode: kGatherTma, kGatherLines or kGatherRows
+  int num_tokens;            // rows of x_local
+  // kGatherTma: x_local as a [num_tokens, H] bf16 tensor map with 1 x 64 boxes, 128B swizzle.
+  cute::TmaDescriptor x_row_map;  // (CUtensorMap carries its own alignment)
   bool store_y;              // direct mode: also store y_rows (the backward reads them)
   Watchdog dog;
   int hold_tile;             // tests: the pull of this tile is never published (-1: none)
@@ -223,9 +230,9 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
 // group, fences and arrives on the stage's full barrier (128 arrivals). A fence in the
 // consumers (before the stage's WGMMAs, 801ab71..06adf47) also waited for the previous
 // stage's WGMMAs still in flight, serialising the tensor pipe.
-//   gather_lines (default): lane l of warp w copies chunk l % 8 of rows 16 i + 4 w + l / 8,
+//   kGatherLines: lane l of warp w copies chunk l % 8 of rows 16 i + 4 w + l / 8,
 //     so one warp instruction reads four whole 128-byte lines (4 requests);
-//   otherwise thread r copies the 8 chunks of row r: 32 rows and 32 requests of 16 bytes
+//   kGatherRows: thread r copies the 8 chunks of row r: 32 rows and 32 requests of 16 bytes
 //     per warp instruction (801ab71, measured ~25 % slower than TMA in fc1).
 constexpr int kGatherLag = 2;  // stages of gathered copies in flight before they are signalled
 
@@ -234,6 +241,54 @@ constexpr int kGatherLag = 2;  // stages of gathered copies in flight before the
 __device__ __forceinline__ void signal_gathered(uint64_t& full) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   cutlass::arch::ClusterBarrier::arrive(&full);
+}
+
+// Direct mode, producer warpgroup, kGatherTma: thread r loads row r of every K step as one
+// 1 x 64 TMA box (x_row_map) into its 128-byte line of the stage. TMA applies the 128B
+// swizzle from the shared-memory address bits, so a row placed at line r of the
+// 1024-aligned stage lands as a whole-tile box would put it; rows of padding (coordinate
+// num_tokens) and columns past H are out of bounds and zero-filled. Writes come through
+// the async proxy and complete on the full barrier: no fence, no lag. Thread 0 expects the
+// bytes of all 128 rows and of w1's boxes with its arrival; the others arrive after issuing.
+template <class Cfg, class Storage, class TmaB>
+__device__ __forceinline__ void gather_fc1_task_tma(Storage& smem, const ForwardParams& p,
+                                                    const TmaB& tma_w1, const gemm::Task& task,
+                                                    gemm::RingPos& ring, int ptid) {
+  using namespace cute;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  constexpr int BM = Cfg::BM, BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
+  static_assert(BM == 128 && BK * 2 == 128, "one 128-byte line per row and K step");
+  const int64_t j = int64_t(task.m_tile) * BM + ptid;
+  const int row = __ldg(p.peer_rank + j) >= 0 ? __ldg(p.peer_token + j) : p.num_tokens;
+  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
+  Tensor mB = tma_w1.get_tma_tensor(
+      make_shape(p.fc1_shapes.b_n, p.fc1_shapes.b_k, p.fc1_shapes.b_q));
+  const uint32_t line0 =
+      static_cast<uint32_t>(__cvta_generic_to_shared(smem.a)) + uint32_t(ptid) * 128;
+  for (int k = task.k_begin; k < task.k_end; ++k) {
+    EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
+    const uint32_t full = static_cast<uint32_t>(__cvta_generic_to_shared(&smem.full[ring.stage]));
+    if (ptid == 0) {
+      FullBar::arrive_and_expect_tx(&smem.full[ring.stage], (BNh * kSplit + BM) * BK * 2);
+      CUTE_UNROLL
+      for (int h = 0; h < kSplit; ++h) {
+        Tensor gB = local_tile(mB(_, _, task.expert * kSplit + h), Shape<Int<BNh>, Int<BK>>{},
+                               make_coord(task.n_tile, _));
+        auto [tBgB, tBsB] = tma_partition(tma_w1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
+                                          group_modes<0, 2>(gB));
+        copy(tma_w1.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
+      }
+    }
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(line0 + ring.stage * (BM * BK * 2)), "l"(&p.x_row_map), "r"(k * BK), "r"(row),
+          "r"(full)
+        : "memory");
+    if (ptid != 0) EmptyBar::arrive(&smem.full[ring.stage]);
+    ring.advance<Cfg::Stages>();
+  }
 }
 
 template <class Cfg, class Storage, class TmaB>
@@ -247,8 +302,9 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   static_assert(BM == 128 && BK * 2 == 128, "one 128-byte line per row and K step");
   static_assert(kGatherLag < Cfg::Stages, "a stage is signalled before the producer needs it again");
   const int lane = ptid & 31, warp = ptid >> 5;
-  auto row_of = [&](int i) { return p.gather_lines ? 16 * i + 4 * warp + (lane >> 3) : ptid; };
-  auto chunk_of = [&](int i) { return p.gather_lines ? (lane & 7) : i; };
+  const bool lines = p.gather == kGatherLines;
+  auto row_of = [&](int i) { return lines ? 16 * i + 4 * warp + (lane >> 3) : ptid; };
+  auto chunk_of = [&](int i) { return lines ? (lane & 7) : i; };
   // Source token of every row of the tile (-1: padding), in shared memory: the producer's
   // 56 registers cannot hold eight per thread. The previous task's reads are done: every
   // thread passed the task broadcast's barriers since.
@@ -431,7 +487,11 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
           const int m = task.tile.m_tile;
           if (!task.fc2) {
             if (p.direct) {
-              gather_fc1_task<Cfg1>(smem, p, tma_w1, task.tile, ring, ptid);
+              if (p.gather == kGatherTma) {
+                gather_fc1_task_tma<Cfg1>(smem, p, tma_w1, task.tile, ring, ptid);
+              } else {
+                gather_fc1_task<Cfg1>(smem, p, tma_w1, task.tile, ring, ptid);
+              }
             } else {
               wait_counter(pulled_counter(p, m), 1, p.dog, kWaitRowsPulled, m);
               fence_proxy_async_global();
