@@ -1,6 +1,6 @@
 """Run the forward megakernel a few times on a benchmark shape, for a profiler.
 
-    python -m benchmarks.profile_megakernel --shape deepseek-v3 --mode direct [--gather tma]
+    python -m benchmarks.profile_megakernel --shape deepseek-v3 --mode direct [--gather lines]
         [--comm-sms 8] [--minibatch 2048] [--tokens 8192] [--iters 2]
 
 mode: direct (EP = 1, no comm CTAs; --gather tma|lines|rows) or comm (--comm-sms CTAs move the
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="deepseek-v3")
     p.add_argument("--mode", default="direct", choices=("direct", "comm"))
-    p.add_argument("--gather", default="tma", choices=("tma", "lines", "rows"))
+    p.add_argument("--gather", default="lines", choices=("lines", "tma", "rows"))
     p.add_argument("--comm-sms", type=int, default=8)
     p.add_argument("--minibatch", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=8192)

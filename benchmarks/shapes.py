@@ -51,7 +51,7 @@ TEST_SHAPES: dict[str, Shape] = {s.name: s for s in (
 )}
 
 DEFAULT_TOKENS = (4096, 8192)
-ROUTINGS = ("balanced", "skewed", "adversarial")
+ROUTINGS = ("balanced", "skewed", "adversarial", "blocked")
 ZIPF_S = 1.2
 
 
@@ -181,6 +181,20 @@ def adversarial_routing(num_tokens: int, num_experts: int, topk: int, *, seed: i
     return (idx + hot_rank * per_rank).contiguous(), w
 
 
+def blocked_routing(num_tokens: int, num_experts: int, topk: int, *, seed: int = 0,
+                    device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """Diagnostic, balanced load: every expert's tokens are topk runs of about T/E
+    neighbouring tokens, so a row tile reads neighbouring rows of x. Against balanced
+    routing (random rows) it isolates what gather locality costs (docs/perf-notes.md)."""
+    _check(num_experts, topk)
+    gen = _generator(seed, device)
+    run = torch.arange(num_tokens, device=device) * num_experts // num_tokens
+    spread = torch.arange(topk, device=device) * (num_experts // topk)  # distinct mod E
+    idx = (run[:, None] + spread[None, :]) % num_experts
+    perm = torch.randperm(num_experts, generator=gen, device=device)
+    return perm[idx].to(torch.int32).contiguous(), _weights(num_tokens, topk, gen, device)
+
+
 def make_routing(kind: str, num_tokens: int, num_experts: int, topk: int, *, seed: int = 0,
                  device="cuda", ep_size: int = 1, hot_rank: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +203,8 @@ def make_routing(kind: str, num_tokens: int, num_experts: int, topk: int, *, see
         return balanced_routing(num_tokens, num_experts, topk, seed=seed, device=device)
     if kind == "skewed":
         return skewed_routing(num_tokens, num_experts, topk, seed=seed, device=device)
+    if kind == "blocked":
+        return blocked_routing(num_tokens, num_experts, topk, seed=seed, device=device)
     if kind == "adversarial":
         return adversarial_routing(num_tokens, num_experts, topk, seed=seed, device=device,
                                    ep_size=ep_size, hot_rank=hot_rank)

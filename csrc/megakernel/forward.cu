@@ -27,13 +27,13 @@ void check_int_table(const at::Tensor& t, const char* name, int64_t numel) {
               " entries");
 }
 
-// MOK_MEGAKERNEL_GATHER = tma (default) | lines | rows: how direct mode gathers fc1's rows
-// (A/B measurements, docs/megakernel.md).
+// MOK_MEGAKERNEL_GATHER = lines (default) | tma | rows: how direct mode gathers fc1's rows
+// (A/B measurements, docs/perf-notes.md: lines measured fastest at e77b681).
 int gather_mode() {
   const char* env = std::getenv("MOK_MEGAKERNEL_GATHER");
-  const std::string mode = env == nullptr ? "tma" : env;
-  if (mode == "tma") return megakernel::kGatherTma;
+  const std::string mode = env == nullptr ? "lines" : env;
   if (mode == "lines") return megakernel::kGatherLines;
+  if (mode == "tma") return megakernel::kGatherTma;
   TORCH_CHECK(mode == "rows", "megatron_mok: MOK_MEGAKERNEL_GATHER must be tma, lines or rows, got ",
               mode);
   return megakernel::kGatherRows;
