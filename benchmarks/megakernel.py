@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--comm-sms", default="2,4,8,16,24", help="comm-CTA sweep ('' to skip)")
     ap.add_argument("--minibatch", default="1024,4096")
     ap.add_argument("--gather", default="tma,lines",
-                    help="direct-mode gathers to time (MOK_MEGAKERNEL_GATHER)")
+                    help="direct-mode gathers to time (MOK_MEGAKERNEL_GATHER; "
+                         "'+prefetch': MOK_MEGAKERNEL_PREFETCH=1)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -101,8 +102,10 @@ def main(argv=None) -> int:
         ref_slots = ws.arena.view("slots").clone()
         best = None
         for mb in [int(v) for v in args.minibatch.split(",")]:
-            for gather in args.gather.split(","):  # MOK_MEGAKERNEL_GATHER, read per launch
-                os.environ["MOK_MEGAKERNEL_GATHER"] = gather
+            for gather in args.gather.split(","):  # env read per launch
+                mode, _, option = gather.partition("+")  # "lines+prefetch": L2 prefetch of rows
+                os.environ["MOK_MEGAKERNEL_GATHER"] = mode
+                os.environ["MOK_MEGAKERNEL_PREFETCH"] = "1" if option == "prefetch" else "0"
 
                 def direct(_):
                     return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
@@ -116,6 +119,7 @@ def main(argv=None) -> int:
                 if best is None or rec["ms"] < best["ms"]:
                     best = rec
             os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
+            os.environ.pop("MOK_MEGAKERNEL_PREFETCH", None)
         for mb in [int(v) for v in args.minibatch.split(",")]:
             for comm in [int(v) for v in args.comm_sms.split(",") if v]:
                 def fused(_):

@@ -69,6 +69,7 @@ struct ForwardParams {
   // x_local itself and fc2's epilogue scatters finished rows straight into the slots.
   bool direct;
   int gather;                // direct mode: kGatherTma, kGatherLines or kGatherRows
+  bool prefetch_rows;        // direct mode, cp.async gathers: prefetch each task's rows to L2
   int num_tokens;            // rows of x_local
   // kGatherTma: x_local as a [num_tokens, H] bf16 tensor map with 1 x 64 boxes, 128B swizzle.
   cute::TmaDescriptor x_row_map;  // (CUtensorMap carries its own alignment)
@@ -308,13 +309,19 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   // Source token of every row of the tile (-1: padding), in shared memory: the producer's
   // 56 registers cannot hold eight per thread. The previous task's reads are done: every
   // thread passed the task broadcast's barriers since.
-  {
-    const int64_t j = int64_t(task.m_tile) * BM + ptid;
-    smem.gather_token[ptid] = __ldg(p.peer_rank + j) >= 0 ? __ldg(p.peer_token + j) : -1;
-  }
-  asm volatile("bar.sync 3, 128;" ::: "memory");
   const char* x = reinterpret_cast<const char*>(p.x_local);
   const int64_t row_bytes = int64_t(p.row_vecs) * 16;
+  {
+    const int64_t j = int64_t(task.m_tile) * BM + ptid;
+    const int token = __ldg(p.peer_rank + j) >= 0 ? __ldg(p.peer_token + j) : -1;
+    smem.gather_token[ptid] = token;
+    // prefetch_rows: the row's K steps arrive from L2 instead of scattered DRAM reads.
+    if (p.prefetch_rows && token >= 0) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                   ::"l"(x + token * row_bytes), "r"(uint32_t(row_bytes)) : "memory");
+    }
+  }
+  asm volatile("bar.sync 3, 128;" ::: "memory");
   Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
   Tensor mB = tma_w1.get_tma_tensor(
       make_shape(p.fc1_shapes.b_n, p.fc1_shapes.b_k, p.fc1_shapes.b_q));
