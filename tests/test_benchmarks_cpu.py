@@ -16,6 +16,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is a top-level folder, not an insta
     sys.path.insert(0, str(REPO))
 
 from benchmarks import layer as L  # noqa: E402
+from benchmarks import plot_megakernel as PM  # noqa: E402
 from benchmarks import report as R  # noqa: E402
 from benchmarks import shapes as S  # noqa: E402
 from megatron_mok.reference import moe_reference  # noqa: E402
@@ -96,6 +97,24 @@ def test_skewed_is_skewed():
     assert float(load[:8].sum() / load.sum()) > 0.3  # head of the distribution
     bal = S.expert_load(S.balanced_routing(8192, 128, 8, seed=0, device="cpu")[0], 128)
     assert float(load.std()) > 5 * float(bal.double().std())
+
+
+def test_blocked_routing_runs_of_neighbouring_tokens():
+    idx, _ = S.blocked_routing(4096, 32, 8, seed=1, device="cpu")
+    load = S.expert_load(idx, 32)
+    assert int(load.min()) == int(load.max()) == 4096 * 8 // 32  # balanced
+    tokens = (idx == 5).any(1).nonzero().flatten()
+    assert int((tokens.diff() != 1).sum()) == 7  # 8 runs of neighbouring tokens
+
+
+def test_plot_megakernel_best_speedups_skip_wrong_answers():
+    rec = lambda path, ms, **kw: {"shape": "s", "path": path, "ms": ms, **kw}  # noqa: E731
+    best = PM.best_speedups([rec("launches-mok", 2.0), rec("launches-torch", 4.0),
+                             rec("megakernel-direct", 2.5), rec("megakernel-direct", 1.6),
+                             rec("megakernel-comm", 1.0, bit_equal=False),
+                             rec("megakernel-comm", 4.0, bit_equal=True)])
+    assert best == {"s": {"launches-torch": 0.5, "megakernel-direct": 1.25,
+                          "megakernel-comm": 0.5}}
 
 
 def test_adversarial_hits_one_rank():
