@@ -71,12 +71,13 @@ TORCH_LIBRARY(megatron_mok, m) {
   // direct (EP = 1, num_comm = 0): fc1 gathers its rows from x_local, fc2 scatters into the
   // slots (x_rows is not written; y_rows only with store_y).
   // hold_tile >= 0 (tests) never publishes that tile's pull: the watchdog must fire.
+  // probe (optional int64 [num_sms, 16]): per-CTA cycle sums (megakernel/forward.cuh).
   m.def("moe_forward(Tensor peer_base, int x_offset, Tensor? x_local, int slots_offset, "
         "Tensor peer_rank, Tensor peer_token, Tensor peer_k, Tensor expert_offsets, "
         "Tensor num_rows, int topk, Tensor w1, Tensor w2, Tensor(a!) x_rows, Tensor(b!) act, "
         "Tensor(c!)? h, Tensor(d!) y_rows, Tensor(e!) counters, Tensor(f!) watchdog, "
         "int timeout_ms, int rank, int num_comm, int minibatch_rows, bool direct, bool store_y, "
-        "int hold_tile) -> ()");
+        "int hold_tile, Tensor(g!)? probe=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

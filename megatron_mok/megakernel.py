@@ -57,14 +57,17 @@ def counters_size(capacity: int) -> int:
 def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
                 save_h: bool, num_comm_sms: int, minibatch_rows: int,
                 direct: Optional[bool] = None, hold_tile: int = -1,
-                timeout_ms: Optional[int] = None):
+                timeout_ms: Optional[int] = None, probe: Optional[torch.Tensor] = None):
     """(x_rows, act, h, y_rows) of the routed expert pass; y rows land in the (token, k)
     slots of the arena of the rank that owns each route.
 
     direct (default at EP = 1): no comm CTAs; fc1 gathers its rows from x and fc2 writes
     the slots itself; x_rows is then None, and y_rows and h are only written with save_h
     (the backward's inputs). Otherwise comm CTAs pull the rows (from x at EP = 1, from the
-    peers' published arena "x" at EP > 1) and push y rows; num_comm_sms of them."""
+    peers' published arena "x" at EP > 1) and push y rows; num_comm_sms of them.
+
+    probe: an int64 [num_SMs, PROBE_SLOTS] CUDA tensor (new_probe) to which every CTA adds
+    its cycle counts (read with probe_summary); None: no probing."""
     arena = ws.arena
     if direct is None:
         direct = ws.ep_size == 1
@@ -92,7 +95,38 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         sched.peer_rank, sched.peer_token, sched.peer_k, sched.expert_offsets, sched.num_rows,
         ws.topk, w1, w2, x_rows, act, h, y_rows, ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
-        0 if direct else num_comm_sms, minibatch_rows, direct, save_h, hold_tile)
+        0 if direct else num_comm_sms, minibatch_rows, direct, save_h, hold_tile, probe)
     if direct:
         return None, act, h, (y_rows if save_h else None)
     return x_rows, act, h, y_rows
+
+
+# Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first
+# consumer warpgroup's thread 0 and the producer's thread 0.
+PROBE_SLOTS = 16
+_PROBE_FC1, _PROBE_FC2, _PROBE_QUEUE_WAIT, _PROBE_DEP_WAIT = 0, 4, 8, 9
+
+
+def new_probe(device) -> torch.Tensor:
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.zeros(num_sms, PROBE_SLOTS, dtype=torch.int64, device=device)
+
+
+def probe_summary(probe: torch.Tensor) -> dict:
+    """Cycle counts of one probed launch, summed over the CTAs: per task kind, tasks, K
+    steps, mainloop cycles (queue arrival to last WGMMA, including the wait for the first
+    stage) and epilogue cycles, with per-K-step and per-task means; the consumers' waits
+    for task ids and the producers' dependency waits."""
+    total = probe.sum(0).tolist()
+    out = {}
+    for name, base in (("fc1", _PROBE_FC1), ("fc2", _PROBE_FC2)):
+        tasks, k_steps, mainloop, epilogue = total[base:base + 4]
+        out[name] = {"tasks": tasks, "k_steps": k_steps, "mainloop_cycles": mainloop,
+                     "epilogue_cycles": epilogue,
+                     "cycles_per_k_step": mainloop / k_steps if k_steps else 0.0,
+                     "epilogue_cycles_per_task": epilogue / tasks if tasks else 0.0}
+    out["queue_wait_cycles"] = total[_PROBE_QUEUE_WAIT]
+    out["dependency_wait_cycles"] = total[_PROBE_DEP_WAIT]
+    busy = sum(out[k]["mainloop_cycles"] + out[k]["epilogue_cycles"] for k in ("fc1", "fc2"))
+    out["consumer_cycles"] = busy + out["queue_wait_cycles"]
+    return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Forward megakernel on a GPU machine (extension built): its tests, the core's tests, the
 # v1 GPU suite (which now runs its forward on the megakernel) and the megakernel benchmark.
-# Logs under ${OUT:-gpu_out}/. Env: SKIP_CORE=1, SKIP_V1=1, SKIP_BENCH=1, BENCH_ARGS (benchmarks.megakernel).
+# Logs under ${OUT:-gpu_out}/. Env: SKIP_CORE=1, SKIP_V1=1, SKIP_BENCH=1, BENCH_ARGS (benchmarks.megakernel),
+# SKIP_PROBE=1, PROBE_ARGS (benchmarks.probe_megakernel: cycles per phase, direct vs comm mode).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -27,4 +28,8 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 240 $PY -m benchmarks.megakernel --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_megakernel.log" | grep -vE "^\s*$" | tail -60
+fi
+if [ "${SKIP_PROBE:-0}" != 1 ]; then
+  timeout 120 $PY -m benchmarks.probe_megakernel --out "$OUT" ${PROBE_ARGS:-} 2>&1 \
+    | tee "$OUT/probe_megakernel.log" | tail -12
 fi

@@ -151,6 +151,29 @@ def test_bad_knobs_raise_before_launch():
                                    save_h=False, **kwargs)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_cycle_probes_count_every_task_and_change_no_bit(direct):
+    inputs, ws, sched = _layer(tokens=777, seed=17)
+    x, w1, w2 = inputs["x"], inputs["w1"], inputs["w2"]
+    kwargs = dict(save_h=True, num_comm_sms=0 if direct else 6, minibatch_rows=256,
+                  direct=direct)
+    plain = [t.clone() for t in megakernel.moe_forward(ws, sched, x, w1, w2, **kwargs)[1:]]
+    probe = megakernel.new_probe(x.device)
+    probed = megakernel.moe_forward(ws, sched, x, w1, w2, probe=probe, **kwargs)[1:]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(plain, probed))
+    summary = megakernel.probe_summary(probe)
+    row_tiles = -(-int(sched.num_rows.item()) // 128)
+    inter, hidden = w2.shape[2], w2.shape[1]
+    assert summary["fc1"]["tasks"] == row_tiles * -(-inter // 128)  # fc1: 128 act columns
+    assert summary["fc2"]["tasks"] == row_tiles * -(-hidden // 256)
+    assert summary["fc1"]["k_steps"] == summary["fc1"]["tasks"] * -(-hidden // 64)
+    for kind in ("fc1", "fc2"):  # a K step cannot beat the tensor cores' peak
+        assert summary[kind]["cycles_per_k_step"] > 900
+        assert summary[kind]["epilogue_cycles_per_task"] > 0
+    assert summary["consumer_cycles"] > summary["fc1"]["mainloop_cycles"]
+
+
 _STUCK = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})

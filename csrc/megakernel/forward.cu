@@ -34,7 +34,8 @@ int gather_mode() {
   const std::string mode = env == nullptr ? "lines" : env;
   if (mode == "lines") return megakernel::kGatherLines;
   if (mode == "tma") return megakernel::kGatherTma;
-  TORCH_CHECK(mode == "rows", "megatron_mok: MOK_MEGAKERNEL_GATHER must be tma, lines or rows, got ",
+  TORCH_CHECK(mode == "rows",
+              "megatron_mok: MOK_MEGAKERNEL_GATHER must be lines, tma or rows, got ",
               mode);
   return megakernel::kGatherRows;
 }
@@ -50,7 +51,8 @@ cute::TmaDescriptor row_map(const at::Tensor& x) {
       &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x.data_ptr(), dims, strides, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for x (", int(r), ")");
+  TORCH_CHECK(r == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for x (", int(r),
+              ")");
   return map;
 }
 
@@ -63,7 +65,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
                  const std::optional<at::Tensor>& h, const at::Tensor& y_rows,
                  const at::Tensor& counters, const at::Tensor& watchdog, int64_t timeout_ms,
                  int64_t rank, int64_t num_comm, int64_t minibatch_rows, bool direct,
-                 bool store_y, int64_t hold_tile) {
+                 bool store_y, int64_t hold_tile, const std::optional<at::Tensor>& probe) {
   check_bf16_cuda(x_rows, "x_rows", 2);
   check_bf16_cuda(w1, "w1", 3);
   check_bf16_cuda(w2, "w2", 3);
@@ -127,6 +129,14 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.y_rows = reinterpret_cast<const uint4*>(y_rows.data_ptr());
   p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
   p.hold_tile = int(hold_tile);
+  p.probe = nullptr;
+  if (probe.has_value()) {
+    TORCH_CHECK(probe->is_cuda() && probe->scalar_type() == at::kLong && probe->is_contiguous() &&
+                    probe->numel() >= int64_t(sms) * megakernel::kProbeSlots,
+                "megatron_mok: probe must be a contiguous CUDA int64 tensor of at least ",
+                int64_t(sms) * megakernel::kProbeSlots, " entries");
+    p.probe = reinterpret_cast<unsigned long long*>(probe->data_ptr<int64_t>());
+  }
   p.direct = direct;
   p.gather = gather_mode();
   // MOK_MEGAKERNEL_PREFETCH=1: bulk-prefetch each fc1 task's whole rows of x into L2 first.

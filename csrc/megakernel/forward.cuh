@@ -45,6 +45,19 @@ __host__ __device__ inline int forward_counters_size(int m_tiles) {
 // 16-byte cp.async, each warp instruction reading four whole 128-byte lines or 32 rows.
 enum GatherMode : int { kGatherTma = 0, kGatherLines = 1, kGatherRows = 2 };
 
+// Cycle probes (benchmarks/probe_megakernel.py): SM clock cycles summed per CTA by the first
+// consumer warpgroup's thread 0 (mainloop: from the task's arrival in the queue until its
+// WGMMAs are done, including the wait for the first stage; epilogue: until its stores are
+// issued and the tile published) and by the producer's thread 0 (dependency waits).
+enum ProbeSlot : int {
+  kProbeFc1 = 0,         // fc1: tasks, K steps, mainloop cycles, epilogue cycles
+  kProbeFc2 = 4,         // fc2: the same four
+  kProbeQueueWait = 8,   // consumer: cycles waiting for the next task id
+  kProbeDepWait = 9,     // producer: cycles waiting for pulled[m] / fc1_done[m]
+  kProbeScratch = 12,    // consumer's timestamps: end of the last task, queue pop, mainloop
+  kProbeSlots = 16
+};
+
 struct ForwardParams {
   gemm::GemmParams fc1;   // N = I (act columns), K = H; SwiGLU epilogue
   gemm::GemmParams fc2;   // N = H, K = I
@@ -76,6 +89,8 @@ struct ForwardParams {
   bool store_y;              // direct mode: also store y_rows (the backward reads them)
   Watchdog dog;
   int hold_tile;             // tests: the pull of this tile is never published (-1: none)
+  // Optional cycle probes (nullptr: off): kProbeSlots uint64 per CTA, see ProbeSlot.
+  unsigned long long* probe;
 };
 
 __device__ __forceinline__ int* pulled_counter(const ForwardParams& p, int m) {
@@ -86,6 +101,39 @@ __device__ __forceinline__ int* fc1_counter(const ForwardParams& p, int m) {
 }
 __device__ __forceinline__ int* fc2_counter(const ForwardParams& p, int m) {
   return p.counters + kCounterHeader + 2 * p.fc1.m_tiles + m;
+}
+
+__device__ __forceinline__ long long* probe_slot(const ForwardParams& p, int slot) {
+  return reinterpret_cast<long long*>(p.probe + blockIdx.x * kProbeSlots + slot);
+}
+__device__ __forceinline__ void probe_add(const ForwardParams& p, int slot, long long cycles) {
+  atomicAdd(p.probe + blockIdx.x * kProbeSlots + slot, static_cast<unsigned long long>(cycles));
+}
+__device__ __forceinline__ void probe_stamp(const ForwardParams& p, int slot) {
+  *probe_slot(p, slot) = clock64();
+}
+// The consumer's probe points; state between them stays in the scratch slots:
+// [0] end of the last epilogue, [1] task start, [2] mainloop end, [3] the task's slot base.
+__device__ __forceinline__ void probe_task_start(const ForwardParams& p) {
+  long long* scratch = probe_slot(p, kProbeScratch);
+  const long long now = clock64();
+  probe_add(p, kProbeQueueWait, now - scratch[0]);
+  scratch[1] = now;
+}
+__device__ __forceinline__ void probe_mainloop_end(const ForwardParams& p, int base, int k_steps) {
+  long long* scratch = probe_slot(p, kProbeScratch);
+  const long long now = clock64();
+  probe_add(p, base, 1);
+  probe_add(p, base + 1, k_steps);
+  probe_add(p, base + 2, now - scratch[1]);
+  scratch[2] = now;
+  scratch[3] = base;
+}
+__device__ __forceinline__ void probe_epilogue_end(const ForwardParams& p) {
+  long long* scratch = probe_slot(p, kProbeScratch);
+  const long long now = clock64();
+  probe_add(p, int(scratch[3]) + 3, now - scratch[2]);
+  scratch[0] = now;
 }
 
 // Row tiles in use (the row count lives on the device; padded to whole tiles).
@@ -301,7 +349,8 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr int BM = Cfg::BM, BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
   static_assert(BM == 128 && BK * 2 == 128, "one 128-byte line per row and K step");
-  static_assert(kGatherLag < Cfg::Stages, "a stage is signalled before the producer needs it again");
+  static_assert(kGatherLag < Cfg::Stages,
+                "a stage is signalled before the producer needs it again");
   const int lane = ptid & 31, warp = ptid >> 5;
   const bool lines = p.gather == kGatherLines;
   auto row_of = [&](int i) { return lines ? 16 * i + 4 * warp + (lane >> 3) : ptid; };
@@ -361,7 +410,9 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   // The task's last stages (up to kGatherLag): all its copies, then their arrivals in order.
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   const int tail = min(kGatherLag, task.k_end - task.k_begin);
-  for (int i = tail; i > 0; --i) signal_gathered(smem.full[(ring.stage + Cfg::Stages - i) % Cfg::Stages]);
+  for (int i = tail; i > 0; --i) {
+    signal_gathered(smem.full[(ring.stage + Cfg::Stages - i) % Cfg::Stages]);
+  }
 }
 
 // Direct mode, producer warpgroup: a TMA-loaded task's stages still need all 128 arrivals.
@@ -500,13 +551,17 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
                 gather_fc1_task<Cfg1>(smem, p, tma_w1, task.tile, ring, ptid);
               }
             } else {
+              const long long w0 = p.probe != nullptr ? clock64() : 0;
               wait_counter(pulled_counter(p, m), 1, p.dog, kWaitRowsPulled, m);
+              if (p.probe != nullptr) probe_add(p, kProbeDepWait, clock64() - w0);
               fence_proxy_async_global();
               gemm::load_task<Cfg1>(smem, tma_x, tma_w1, tma_w1, p.fc1_shapes, task.tile, 0,
                                     ring);
             }
           } else if (ptid == 0) {
+            const long long w0 = p.probe != nullptr ? clock64() : 0;
             wait_counter(fc1_counter(p, m), fc1_target, p.dog, kWaitFc1Done, m);
+            if (p.probe != nullptr) probe_add(p, kProbeDepWait, clock64() - w0);
             fence_proxy_async_global();
             gemm::load_task<Cfg2>(smem, tma_act_in, tma_w2, tma_w2, p.fc2_shapes, task.tile, 0,
                                   ring);
@@ -539,10 +594,19 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
         if (pending_fc2 >= 0 && es.wg_thread == 0) publish_tile(fc2_counter(p, pending_fc2));
         pending_fc2 = -1;
       };
+      // Probe timestamps live in the probe buffer's scratch slots, not in registers (the
+      // consumer spills with even three more live values). The first consumer thread probes.
+      const auto probing = [&] { return p.probe != nullptr && threadIdx.x == 128; };
+      if (probing()) probe_stamp(p, kProbeScratch);
       for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
+        if (probing()) probe_task_start(p);
         const ForwardTask task = decode_forward_task<Cfg1, Cfg2>(p, t, used_tiles);
         gemm::mma_task<Cfg1>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
                              task.tile.k_end, ring, es.wg_thread);
+        if (probing()) {
+          probe_mainloop_end(p, task.fc2 ? kProbeFc2 : kProbeFc1,
+                             task.tile.k_end - task.tile.k_begin);
+        }
         flush_fc2();
         if (!task.fc2) {
           gemm::tile_epilogue<Cfg1>(smem, es, p.fc1, task.tile, accum, true, tma_act, tma_h);
@@ -553,6 +617,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
           gemm::tile_epilogue<Cfg2>(smem, es, p.fc2, task.tile, accum, true, tma_y, tma_y);
           pending_fc2 = task.tile.m_tile;
         }
+        if (probing()) probe_epilogue_end(p);
       }
       flush_fc2();
       if (es.wg_thread == 0) bulk_store_wait_all();
