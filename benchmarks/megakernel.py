@@ -5,10 +5,12 @@ megakernel runs in direct mode (no comm CTAs: fc1 gathers, fc2 scatters; its slo
 checked bit-equal to the chain's) and with comm CTAs (swept; y rows checked).
 
     python -m benchmarks.megakernel [--shapes a,b] [--tokens 8192] [--routing balanced]
-        [--comm-sms 2,4,8,16,24] [--minibatch 1024,4096] [--iters 20] [--out DIR]
+        [--comm-sms 2,4,8,16,24] [--minibatch 1024,4096] [--gather lines,tma]
+        [--mover-warps 1,4] [--iters 20] [--out DIR]
 
 Same tiles in both core paths, so the difference is launch gaps, tails and the overlap
-of the copies with the GEMMs. Every (comm SMs, minibatch) point of the sweep is timed;
+of the copies with the GEMMs. Every (comm SMs, minibatch, mover warps) point of the sweep
+is timed;
 the megakernel's output rows are checked bit-equal to the launch chain's. Times are
 CUDA-event medians with an L2 flush before each iteration; FLOPs count routed rows only
 (no shared expert); the dense BF16 peak is measured in the same run.
@@ -58,6 +60,8 @@ def main(argv=None) -> int:
                     help="direct-mode gathers to time (MOK_MEGAKERNEL_GATHER; "
                          "'+prefetch': MOK_MEGAKERNEL_PREFETCH=1)")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--mover-warps", default="1",
+                    help="row movers per comm CTA to time (MOK_MOVER_WARPS: 1, 2, 4)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -120,19 +124,24 @@ def main(argv=None) -> int:
                     best = rec
             os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
             os.environ.pop("MOK_MEGAKERNEL_PREFETCH", None)
-        for mb in [int(v) for v in args.minibatch.split(",")]:
-            for comm in [int(v) for v in args.comm_sms.split(",") if v]:
-                def fused(_):
-                    return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
-                                                  num_comm_sms=comm, minibatch_rows=mb,
-                                                  direct=False)
-                y_rows = fused(None)[3][:rows]
-                same = bool(torch.equal(y_rows, ref_y))
-                times = timer.measure(lambda: None, fused, args.warmup, args.iters)
-                rec = record("megakernel-comm", statistics.median(times), comm_sms=comm,
-                             minibatch=mb, bit_equal=same)
-                if best is None or rec["ms"] < best["ms"]:
-                    best = rec
+        comm_points = [(mb, comm, warps) for mb in [int(v) for v in args.minibatch.split(",")]
+                       for comm in [int(v) for v in args.comm_sms.split(",") if v]
+                       for warps in [int(v) for v in args.mover_warps.split(",")]]
+        for mb, comm, warps in comm_points:
+            os.environ["MOK_MOVER_WARPS"] = str(warps)  # read per launch
+
+            def fused(_):
+                return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
+                                              num_comm_sms=comm, minibatch_rows=mb,
+                                              direct=False)
+            y_rows = fused(None)[3][:rows]
+            same = bool(torch.equal(y_rows, ref_y))
+            times = timer.measure(lambda: None, fused, args.warmup, args.iters)
+            rec = record("megakernel-comm", statistics.median(times), comm_sms=comm,
+                         minibatch=mb, mover_warps=warps, bit_equal=same)
+            if best is None or rec["ms"] < best["ms"]:
+                best = rec
+        os.environ.pop("MOK_MOVER_WARPS", None)
         print(f"{name:14s} best {best['path']} {best['ms']:.3f} ms (comm {best['comm_sms']}, "
               f"minibatch {best['minibatch']}): {base['mok']['ms'] / best['ms']:.2f}x the core "
               f"launch chain, {base['torch']['ms'] / best['ms']:.2f}x the torch chain")

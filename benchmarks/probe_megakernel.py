@@ -1,7 +1,8 @@
 """Where the forward megakernel's compute CTAs spend their cycles, per mode.
 
     python -m benchmarks.probe_megakernel [--shapes deepseek-v3,qwen3-30b-a3b]
-        [--modes direct:lines,direct:tma,comm:8] [--minibatch 2048] [--tokens 8192] [--out DIR]
+        [--modes direct:lines,direct:tma,comm:8,comm:8w4] [--minibatch 2048] [--tokens 8192]
+        [--out DIR]
 
 For each shape and mode, one launch with the in-kernel cycle probes on
 (megakernel.new_probe / probe_summary): per fc1 and fc2 task, the mainloop cycles per K
@@ -33,15 +34,20 @@ IDEAL_CYCLES_PER_K_STEP = 128 * 256 * 64 * 2 / 4096
 def parse_mode(text: str) -> tuple[str, str]:
     kind, _, arg = text.partition(":")
     if kind not in ("direct", "comm") or not arg:
-        raise argparse.ArgumentTypeError(f"mode {text!r}: want direct:<gather> or comm:<SMs>")
+        raise argparse.ArgumentTypeError(
+            f"mode {text!r}: want direct:<gather> or comm:<SMs>[w<mover warps>]")
     return kind, arg
 
 
 def probe_once(ws, sched, x, w1, w2, mode: tuple[str, str], minibatch: int) -> dict:
     kind, arg = mode
+    comm = 0
     if kind == "direct":
         os.environ["MOK_MEGAKERNEL_GATHER"] = arg
-    comm = 0 if kind == "direct" else int(arg)
+    else:  # "8" or "8w4": 8 comm SMs with 4 row-mover warps each
+        comm_text, _, warps = arg.partition("w")
+        comm = int(comm_text)
+        os.environ["MOK_MOVER_WARPS"] = warps or "1"
 
     def run(probe=None):
         megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False, num_comm_sms=comm,
@@ -55,13 +61,14 @@ def probe_once(ws, sched, x, w1, w2, mode: tuple[str, str], minibatch: int) -> d
         torch.cuda.synchronize()
     finally:
         os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
+        os.environ.pop("MOK_MOVER_WARPS", None)
     return megakernel.probe_summary(probe)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="deepseek-v3,qwen3-30b-a3b")
-    ap.add_argument("--modes", default="direct:lines,direct:tma,comm:8")
+    ap.add_argument("--modes", default="direct:lines,direct:tma,comm:8,comm:8w4")
     ap.add_argument("--minibatch", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--routing", default="balanced", choices=S.ROUTINGS)

@@ -25,7 +25,8 @@ from megatron_mok.config import TILE_M
 # megakernel: direct mode at EP = 1 (no comm CTAs: fc1 gathers its rows, fc2 scatters into
 # the slots), comm CTAs at EP > 1; megakernel-comm: comm CTAs at every EP (benchmarks).
 FORWARD_PATHS = ("megakernel", "megakernel-comm", "launches")
-# Comm CTAs stage 13 rows in the shared memory of a GEMM CTA (csrc/megakernel/row_mover.cuh).
+# Comm CTAs stage rows in the shared memory of a GEMM CTA (csrc/megakernel/row_mover.cuh):
+# at H = 8192 (16 KB rows) 13 slots with one mover warp, 9 with four.
 MAX_HIDDEN = 8192
 
 

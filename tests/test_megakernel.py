@@ -55,15 +55,18 @@ def test_megakernel_is_selected_by_the_env(monkeypatch):
     assert megakernel.forward_path(2048) == "launches"
 
 
-@pytest.mark.parametrize("path, gather", [("megakernel", "tma"), ("megakernel", "lines"),
-                                          ("megakernel", "rows"), ("megakernel-comm", "tma")])
+@pytest.mark.parametrize("path, gather, mover_warps", [
+    ("megakernel", "tma", 1), ("megakernel", "lines", 1), ("megakernel", "rows", 1),
+    ("megakernel-comm", "lines", 1), ("megakernel-comm", "lines", 2),
+    ("megakernel-comm", "lines", 4)])
 @pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10),
                                    (1032, 520, 8, 4)])  # H, I not multiples of 64
-def test_bit_equal_to_the_launch_chain(shape, path, gather, monkeypatch):
+def test_bit_equal_to_the_launch_chain(shape, path, gather, mover_warps, monkeypatch):
     hidden, inter, experts, topk = shape
     inputs, ws, sched = _layer(hidden, inter, experts, topk, tokens=700, seed=3)
     monkeypatch.setenv("MOK_FORWARD", path)
     monkeypatch.setenv("MOK_MEGAKERNEL_GATHER", gather)
+    monkeypatch.setenv("MOK_MOVER_WARPS", str(mover_warps))
     y, saved = _forward(inputs, ws, sched)
     monkeypatch.setenv("MOK_FORWARD", "launches")
     y_ref, saved_ref = _forward(inputs, ws, sched)
@@ -196,10 +199,11 @@ except RuntimeError as err:
 """
 
 
-def test_watchdog_reports_a_tile_that_is_never_pulled():
+@pytest.mark.parametrize("mover_warps", [1, 4])
+def test_watchdog_reports_a_tile_that_is_never_pulled(mover_warps):
     script = _STUCK.format(tests=os.path.dirname(__file__))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, "MOK_MOVER_WARPS": str(mover_warps)})
     assert "stuck in the forward megakernel" in done.stdout, done.stdout + done.stderr
     assert "row tile 1" in done.stdout, done.stdout
 

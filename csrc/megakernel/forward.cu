@@ -40,6 +40,16 @@ int gather_mode() {
   return megakernel::kGatherRows;
 }
 
+// MOK_MOVER_WARPS = 1 (default) | 2 | 4: row movers (warps) per comm CTA (A/B
+// measurements, docs/perf-notes.md megakernel v10).
+int mover_warps() {
+  const char* env = std::getenv("MOK_MOVER_WARPS");
+  const int warps = env == nullptr ? 1 : std::atoi(env);
+  TORCH_CHECK(warps == 1 || warps == 2 || warps == 4,
+              "megatron_mok: MOK_MOVER_WARPS must be 1, 2 or 4, got ", env == nullptr ? "" : env);
+  return warps;
+}
+
 // x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (one 128-byte row piece), 128B swizzle.
 cute::TmaDescriptor row_map(const at::Tensor& x) {
   cute::TmaDescriptor map{};
@@ -99,10 +109,10 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   TORCH_CHECK(direct ? num_comm == 0 : (num_comm >= 1 && num_comm < sms),
               "megatron_mok: the forward megakernel needs 1 to ", sms - 1,
               " comm SMs (0 in direct mode), got ", num_comm);
-  const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes);
-  TORCH_CHECK(direct || lag >= 6, "megatron_mok: the forward megakernel moves rows of at most ",
-              (Cfg1::kSmemBytes - megakernel::kMoverHeaderBytes) / 13 / 2,
-              " bf16 through shared memory, got H = ", H);
+  const int warps = mover_warps();
+  const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps);
+  TORCH_CHECK(direct || lag >= 1, "megatron_mok: the forward megakernel's ", warps,
+              " row movers cannot hold rows of H = ", H, " bf16 in shared memory");
   TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
               "megatron_mok: minibatch_rows must be a positive multiple of 128");
 
@@ -114,6 +124,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.fc2_shapes = {int(R), int(I), int(H), int(I), int(E)};
   p.mb_tiles = int(minibatch_rows / 128);
   p.mover_lag = lag;
+  p.mover_warps = warps;
   p.num_comm = int(num_comm);
   p.counters = counters.data_ptr<int>();
   p.peer_rank = peer_rank.data_ptr<int>();

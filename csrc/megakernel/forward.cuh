@@ -63,7 +63,8 @@ struct ForwardParams {
   gemm::GemmParams fc2;   // N = H, K = I
   gemm::OperandShapes fc1_shapes, fc2_shapes;
   int mb_tiles;           // row tiles per minibatch
-  int mover_lag;          // rows in flight each way in a comm CTA (mover_lag())
+  int mover_lag;          // rows in flight each way per mover warp (mover_lag())
+  int mover_warps;        // row movers (warps) per comm CTA, 1..kMaxMoverWarps
   int num_comm;           // comm CTAs
   int* counters;          // forward_counters_size(m_tiles) int32, zero at launch
   // Rows: row j of the table holds route (peer_rank[j], peer_token[j], peer_k[j]), -1: padding.
@@ -195,19 +196,27 @@ __device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& 
 
 // Comm CTA: stream the rows of this CTA's tiles (m = blockIdx.x, + num_comm, ...) into
 // x_rows, publishing pulled[m] once a tile's stores have completed; then stream them out of
-// y_rows into their owners' slots, each tile once fc2 has finished it. Warp 0 drives the
-// bulk copies (lane 0 issues them); the other warps only help set up.
+// y_rows into their owners' slots, each tile once fc2 has finished it. Warps [0,
+// mover_warps) each drive a row mover over every mover_warps-th row of the CTA's sequence
+// (lane 0 issues the bulk copies) and publish their share of a tile, so pulled[m] counts
+// to mover_warps; the other warps only help set up.
 template <int kMoverLag>
 __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_tiles,
                                              unsigned char* smem) {
   using Mover = RowMover<kMoverLag>;
-  Mover mover = Mover::setup(smem, p.row_vecs * 16);
-  if (threadIdx.x >= 32) return;  // warp 0 moves the rows
+  const int warp = threadIdx.x / 32, warps = p.mover_warps;
+  Mover mover = Mover::setup(smem, p.row_vecs * 16, min(warp, warps - 1), warps);
+  if (warp >= warps) return;
   const int first = blockIdx.x;
   const int my_tiles = used_tiles > first ? (used_tiles - 1 - first) / p.num_comm + 1 : 0;
-  const int n = my_tiles * 128;
-  auto tile_of = [&](int i) { return first + (i / 128) * p.num_comm; };
-  auto row_of = [&](int i) { return int64_t(tile_of(i)) * 128 + i % 128; };
+  // This warp's q-th row is row i = warp + warps * q of the CTA's sequence (128 per tile).
+  const int n = (my_tiles * 128 - warp + warps - 1) / warps;
+  auto seq_of = [&](int q) { return warp + warps * q; };
+  auto tile_of = [&](int q) { return first + (seq_of(q) / 128) * p.num_comm; };
+  auto row_of = [&](int q) { return int64_t(tile_of(q)) * 128 + seq_of(q) % 128; };
+  // The warp's last row of a tile (128 % warps == 0: every warp has rows in every tile).
+  auto last_of_tile = [&](int q) { return seq_of(q) % 128 + warps >= 128; };
+  auto first_of_tile = [&](int q) { return seq_of(q) % 128 < warps; };
 
   // Pull. A tile is published kMoverLag groups after its last store was committed, when
   // wait_group<kMoverLag> says those stores completed without draining the pipeline.
@@ -237,12 +246,12 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
           publish(pending);
           pending = -1;
         }
-        if (i % 128 == 127) {
+        if (last_of_tile(i)) {
           pending = tile_of(i);
           pending_at = mover.committed;
         }
       });
-  if (threadIdx.x == 0) {
+  if (threadIdx.x % 32 == 0) {
     bulk_store_wait_all();
     if (pending >= 0) publish(pending);
   }
@@ -260,13 +269,13 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
                 peer_ptr<uint4>(p.peer_base, dst_rank, p.slots_offset) + slot * p.row_vecs};
       },
       [&](int i) {
-        if (i % 128 == 0) {
+        if (first_of_tile(i)) {
           wait_counter(fc2_counter(p, tile_of(i)), fc2_target, p.dog, kWaitFc2Done, tile_of(i));
           fence_proxy_async_global();  // y rows were written by TMA stores: read them by TMA
         }
       },
       [](int) {});
-  if (threadIdx.x == 0) bulk_store_wait_all();  // smem must outlive the stores' reads
+  if (threadIdx.x % 32 == 0) bulk_store_wait_all();  // smem must outlive the stores' reads
 }
 
 // Direct mode, producer warpgroup: the K steps of a fc1 task. The 128 threads gather the
@@ -499,6 +508,12 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
       forward_comm<16>(p, used_tiles, smem_raw);
     } else if (p.mover_lag == 12) {
       forward_comm<12>(p, used_tiles, smem_raw);
+    } else if (p.mover_lag == 4) {
+      forward_comm<4>(p, used_tiles, smem_raw);
+    } else if (p.mover_lag == 2) {
+      forward_comm<2>(p, used_tiles, smem_raw);
+    } else if (p.mover_lag == 1) {
+      forward_comm<1>(p, used_tiles, smem_raw);
     } else {
       forward_comm<6>(p, used_tiles, smem_raw);
     }
@@ -552,7 +567,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
               }
             } else {
               const long long w0 = p.probe != nullptr ? clock64() : 0;
-              wait_counter(pulled_counter(p, m), 1, p.dog, kWaitRowsPulled, m);
+              wait_counter(pulled_counter(p, m), p.mover_warps, p.dog, kWaitRowsPulled, m);
               if (p.probe != nullptr) probe_add(p, kProbeDepWait, clock64() - w0);
               fence_proxy_async_global();
               gemm::load_task<Cfg1>(smem, tma_x, tma_w1, tma_w1, p.fc1_shapes, task.tile, 0,

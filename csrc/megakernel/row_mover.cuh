@@ -10,7 +10,10 @@
 // i % kSlots is reloaded, wait_group.read<kLag - 1> guarantees that the store of row
 // i - kSlots (kLag groups back) has read it. The lag is the largest whose slots fit.
 // Measured: ~0.4 us per row per comm SM whatever the row size and the lag (6 or 16), so
-// slot occupancy is not the limit; the cause is open (docs/perf-notes.md, megakernel v4).
+// slot occupancy is not the limit (docs/perf-notes.md, megakernel v4). If the limit is the
+// one issuing lane's chain of waits, more warps per CTA, each a mover with its own slots
+// and every warps-th row, multiply the rate: `warps` movers share the shared memory
+// (MOK_MOVER_WARPS, megakernel v10).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -19,20 +22,22 @@
 
 namespace megatron_mok::megakernel {
 
-constexpr int kMoverHeaderBytes = 1024;  // mbarriers, then the slots and a zero row
-// Rows in flight each way: as many as shared memory holds (2 * lag slots + a zero row);
-// the lags compiled are 16, 12 and 6.
+constexpr int kMoverHeaderBytes = 1024;  // mbarriers (32 per warp, 4 warps), then the slots
+constexpr int kMaxMoverWarps = 4;
+// Rows in flight each way per warp: as many as shared memory holds (warps x 2 lag slots +
+// one zero row); the lags compiled are 16, 12, 6, 4, 2 and 1.
 
-__host__ __device__ constexpr int mover_smem_bytes(int lag, int row_bytes) {
-  return kMoverHeaderBytes + (2 * lag + 1) * row_bytes;
+__host__ __device__ constexpr int mover_smem_bytes(int lag, int row_bytes, int warps = 1) {
+  return kMoverHeaderBytes + (warps * 2 * lag + 1) * row_bytes;
 }
 
 // The largest lag whose slots fit in smem_bytes, or 0 if none does.
-__host__ __device__ constexpr int mover_lag(int row_bytes, int smem_bytes) {
-  return mover_smem_bytes(16, row_bytes) <= smem_bytes   ? 16
-         : mover_smem_bytes(12, row_bytes) <= smem_bytes ? 12
-         : mover_smem_bytes(6, row_bytes) <= smem_bytes  ? 6
-                                                         : 0;
+__host__ __device__ constexpr int mover_lag(int row_bytes, int smem_bytes, int warps = 1) {
+  constexpr int kLags[] = {16, 12, 6, 4, 2, 1};
+  for (int lag : kLags) {
+    if (mover_smem_bytes(lag, row_bytes, warps) <= smem_bytes) return lag;
+  }
+  return 0;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -51,19 +56,27 @@ struct RowMover {
   static constexpr int kMoverSlots = 2 * kMoverLag;
   static_assert(kMoverSlots <= 32, "slot phases live in a 32-bit mask");
   uint64_t* bars;      // kMoverSlots mbarriers
-  char* slots;         // kMoverSlots rows, then one row of zeros
+  char* slots;         // this mover's kMoverSlots rows
   int row_bytes;
   uint32_t phases;     // bit s: parity of slot s's next completion
   int64_t committed;   // bulk groups committed so far (lane 0)
+  char* zero_row;      // one row of zeros, shared by the movers
 
-  // All threads of the CTA: barriers and the zero row. Ends with __syncthreads().
-  __device__ static RowMover setup(unsigned char* smem, int row_bytes) {
-    RowMover m{reinterpret_cast<uint64_t*>(smem), reinterpret_cast<char*>(smem) + kMoverHeaderBytes,
-               row_bytes, 0u, 0};
-    uint4* zero = reinterpret_cast<uint4*>(m.slots + int64_t(kMoverSlots) * row_bytes);
+  // All threads of the CTA: the barriers and slots of mover `warp` of `warps`, and the
+  // zero row after every mover's slots. Ends with __syncthreads().
+  __device__ static RowMover setup(unsigned char* smem, int row_bytes, int warp, int warps) {
+    static_assert(kMoverSlots * kMaxMoverWarps * 8 <= kMoverHeaderBytes, "mbarriers fit");
+    char* slots0 = reinterpret_cast<char*>(smem) + kMoverHeaderBytes;
+    RowMover m{reinterpret_cast<uint64_t*>(smem) + warp * kMoverSlots,
+               slots0 + int64_t(warp) * kMoverSlots * row_bytes, row_bytes, 0u, 0,
+               slots0 + int64_t(warps) * kMoverSlots * row_bytes};
+    uint4* zero = reinterpret_cast<uint4*>(m.zero_row);
     for (int v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) zero[v] = make_uint4(0, 0, 0, 0);
     if (threadIdx.x == 0) {
-      for (int s = 0; s < kMoverSlots; ++s) cutlass::arch::ClusterTransactionBarrier::init(&m.bars[s], 1);
+      uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+      for (int s = 0; s < warps * kMoverSlots; ++s) {
+        cutlass::arch::ClusterTransactionBarrier::init(&bars[s], 1);
+      }
       cutlass::arch::fence_barrier_init();
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // zeros -> bulk stores
@@ -134,7 +147,7 @@ struct RowMover {
               phases ^= 1u << s;
               store(r.dst, slot(s));
             } else {
-              store(r.dst, slots + int64_t(kMoverSlots) * row_bytes);
+              store(r.dst, zero_row);
             }
           }
           commit();
