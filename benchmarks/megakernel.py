@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minibatch", default="1024,4096")
     ap.add_argument("--gather", default="tma,lines",
                     help="direct-mode gathers to time (MOK_MEGAKERNEL_GATHER; "
-                         "'+prefetch': MOK_MEGAKERNEL_PREFETCH=1)")
+                         "'+prefetch': MOK_MEGAKERNEL_PREFETCH=1; '+inplace': no slots)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--mover-warps", default="1",
                     help="row movers per comm CTA to time (MOK_MOVER_WARPS: 1, 2, 4)")
@@ -107,16 +107,21 @@ def main(argv=None) -> int:
         best = None
         for mb in [int(v) for v in args.minibatch.split(",")]:
             for gather in args.gather.split(","):  # env read per launch
-                mode, _, option = gather.partition("+")  # "lines+prefetch": L2 prefetch of rows
+                # "lines+prefetch": L2 prefetch of the rows; "+inplace": no scatter into the
+                # slots (y rows only, for ops.combine_rows).
+                mode, *options = gather.split("+")
                 os.environ["MOK_MEGAKERNEL_GATHER"] = mode
-                os.environ["MOK_MEGAKERNEL_PREFETCH"] = "1" if option == "prefetch" else "0"
+                os.environ["MOK_MEGAKERNEL_PREFETCH"] = "1" if "prefetch" in options else "0"
+                scatter = "inplace" not in options
 
                 def direct(_):
                     return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
-                                                  num_comm_sms=0, minibatch_rows=mb, direct=True)
+                                                  num_comm_sms=0, minibatch_rows=mb, direct=True,
+                                                  scatter=scatter)
                 ws.arena.view("slots").zero_()
-                direct(None)
-                same = bool(torch.equal(ws.arena.view("slots"), ref_slots))
+                out = direct(None)
+                same = bool(torch.equal(ws.arena.view("slots"), ref_slots) if scatter
+                            else torch.equal(out[3][:rows], ref_y))
                 times = timer.measure(lambda: None, direct, args.warmup, args.iters)
                 rec = record("megakernel-direct", statistics.median(times), comm_sms=0,
                              minibatch=mb, gather=gather, bit_equal=same)

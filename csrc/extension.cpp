@@ -43,6 +43,8 @@ at::Tensor combine_epilogue_cpu(const at::Tensor& slots, const at::Tensor& topk_
 
 TORCH_LIBRARY(megatron_mok, m) {
   m.def("combine_epilogue(Tensor slots, Tensor topk_idx, Tensor topk_w, Tensor? shared) -> Tensor");
+  // EP = 1: the same sum over rows[route_row[t, k]] (route_row -1: not routed), CUDA only.
+  m.def("combine_rows(Tensor rows, Tensor route_row, Tensor topk_w, Tensor? shared) -> Tensor");
   // EP communication over symmetric memory (csrc/comm/). peer_base: int64 base address
   // of every rank's symmetric buffer; offsets are byte offsets into it.
   m.def("ep_barrier(Tensor peer_base, int flag_offset, Tensor(a!) epoch, int rank, "
@@ -72,12 +74,13 @@ TORCH_LIBRARY(megatron_mok, m) {
   // slots (x_rows is not written; y_rows only with store_y).
   // hold_tile >= 0 (tests) never publishes that tile's pull: the watchdog must fire.
   // probe (optional int64 [num_sms, 16]): per-CTA cycle sums (megakernel/forward.cuh).
+  // scatter = false (direct mode): y_rows only, no (t, k) slots (combine_rows reads them).
   m.def("moe_forward(Tensor peer_base, int x_offset, Tensor? x_local, int slots_offset, "
         "Tensor peer_rank, Tensor peer_token, Tensor peer_k, Tensor expert_offsets, "
         "Tensor num_rows, int topk, Tensor w1, Tensor w2, Tensor(a!) x_rows, Tensor(b!) act, "
         "Tensor(c!)? h, Tensor(d!) y_rows, Tensor(e!) counters, Tensor(f!) watchdog, "
         "int timeout_ms, int rank, int num_comm, int minibatch_rows, bool direct, bool store_y, "
-        "int hold_tile, Tensor(g!)? probe=None) -> ()");
+        "int hold_tile, Tensor(g!)? probe=None, bool scatter=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

@@ -13,6 +13,9 @@ SwiGLU backward -> fc1 dgrad -> push dx rows and d_topk_w into the owners' slots
 weight gradients (one grouped GEMM per weight, tokens as K in row-table order) ->
 barrier -> dx = shared dx + sum_k slots in fp32.
 
+MOK_EP1_COMBINE=rows (EP = 1): no pushes; both combines read the expert rows in place
+through route_rows (ops.combine_rows), bit-equal to the slots path.
+
 Launch shapes depend only on the workspace (capacity), never on the routing, so the
 pass is CUDA-graph capturable. The megakernel issues replace these launches one by
 one behind the same functions.
@@ -101,6 +104,29 @@ class KernelSaved:
     shared_out: Optional[torch.Tensor]
     shared_leaves: Optional[tuple]
     x: Optional[torch.Tensor] = None  # EP = 1 direct megakernel: x_rows is gathered again
+    route_row: Optional[torch.Tensor] = None  # EP = 1 rows combine: row of route (t, k)
+
+
+def rows_combine(ws: MoKWorkspace) -> bool:
+    """MOK_EP1_COMBINE=rows (EP = 1 only, opt-in until measured on a GPU): the combines of
+    the forward and the backward read the expert rows in place (ops.combine_rows) instead
+    of pushing them into (t, k) slots first: one pass over the rows fewer each way."""
+    mode = os.environ.get("MOK_EP1_COMBINE", "slots")
+    if mode not in ("slots", "rows"):
+        raise ValueError(f"megatron_mok: MOK_EP1_COMBINE must be slots or rows, got {mode!r}")
+    return mode == "rows" and ws.ep_size == 1
+
+
+def route_rows(sched: MoKSchedule, num_tokens: int, topk: int) -> torch.Tensor:
+    """[T, K] int32: the row-table row of route (t, k), -1 if it has none (EP = 1). No
+    host sync: padding rows write to a spare last entry, which is dropped."""
+    valid = sched.peer_rank >= 0
+    key = torch.where(valid, sched.peer_token.long() * topk + sched.peer_k.long(),
+                      num_tokens * topk)
+    rows = torch.arange(key.numel(), dtype=torch.int32, device=key.device)
+    table = torch.full((num_tokens * topk + 1,), -1, dtype=torch.int32, device=key.device)
+    table.index_put_((key,), torch.where(valid, rows, -1))
+    return table[:-1].view(num_tokens, topk)
 
 
 def _gather_rows(x: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
@@ -124,27 +150,37 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     if shared_w1 is not None:  # independent of the peers: runs before the barrier
         shared_out, shared_leaves = _shared_forward(x, shared_w1, shared_w2, keep_ctx)
     arena.barrier()
+    direct = fused and ws.ep_size == 1 and plan.path == "megakernel"
+    # In place: the combine reads the rows (chain, direct megakernel); comm CTAs push.
+    in_place = rows_combine(ws) and (direct or not fused)
     if fused:
         w1, w2 = w1.contiguous(), w2.contiguous()
         x_rows, act, h, y_rows = megakernel.moe_forward(
             ws, sched, x, w1, w2, save_h=keep_ctx, num_comm_sms=plan.num_comm_sms,
-            minibatch_rows=plan.minibatch_rows,
-            direct=ws.ep_size == 1 and plan.path == "megakernel")
+            minibatch_rows=plan.minibatch_rows, direct=direct, scatter=not in_place)
     else:
-        x_rows, act, h, y_rows = _expert_launches(ws, sched, w1, w2, hidden, keep_ctx)
+        x_rows, act, h, y_rows = _expert_launches(ws, sched, w1, w2, hidden, keep_ctx,
+                                                  push=not in_place)
     arena.barrier()
-    slots = arena.view("slots").view(num_tokens, topk, hidden)
-    y = ops.combine_epilogue(slots, topk_idx, topk_w.detach(),
-                             None if shared_out is None else shared_out.detach())
+    shared_y = None if shared_out is None else shared_out.detach()
+    route_row = None
+    if in_place:
+        route_row = route_rows(sched, num_tokens, topk)
+        y = ops.combine_rows(y_rows, route_row, topk_w.detach(), shared_y)
+    else:
+        slots = arena.view("slots").view(num_tokens, topk, hidden)
+        y = ops.combine_epilogue(slots, topk_idx, topk_w.detach(), shared_y)
     saved = None
     if keep_ctx:
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h, act,
-                            y_rows, shared_out, shared_leaves, x.detach())
+                            y_rows, shared_out, shared_leaves, x.detach(), route_row)
     return y, saved
 
 
-def _expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool):
-    """v1: pull, fc1 (+ SwiGLU), fc2 and push as separate launches."""
+def _expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool,
+                     push: bool = True):
+    """v1: pull, fc1 (+ SwiGLU), fc2 and push (unless the combine reads the rows in
+    place) as separate launches."""
     arena = ws.arena
     x_rows = w1.new_empty(ws.capacity, hidden)
     ops.pull_rows(arena.peer_base, arena.offset("x"), sched, ws.topk, x_rows)
@@ -158,7 +194,8 @@ def _expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, 
         h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
         act = _swiglu(h)
         y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
-    ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
+    if push:
+        ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
     return x_rows, act, h, y_rows
 
 
@@ -189,8 +226,9 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
         d_h = _swiglu_backward(saved.h, d_act)
         dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
-    ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk, scalars=dots,
-                  scalar_offset=arena.offset("d_topk_w"))
+    if saved.route_row is None:
+        ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk,
+                      scalars=dots, scalar_offset=arena.offset("d_topk_w"))
     # Weight gradients: tokens are K, in row-table order; one GEMM owns each output tile.
     if core == "mok":
         dw2 = grouped_gemm.wgrad(d_out, saved.act, sched.expert_offsets)
@@ -200,8 +238,13 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         dw1 = torch._grouped_mm(d_h.t(), saved.x_rows, offs=offs)
     arena.barrier()
     routed = saved.topk_idx >= 0
-    slots = arena.view("slots").view(num_tokens, topk, hidden)
     ones = routed.to(torch.float32)
-    dx = ops.combine_epilogue(slots, saved.topk_idx, ones, d_shared[0])
-    d_topk_w = torch.where(routed, arena.view("d_topk_w").view(num_tokens, topk), 0.0)
+    if saved.route_row is not None:  # EP = 1, rows read in place
+        dx = ops.combine_rows(dx_rows, saved.route_row, ones, d_shared[0])
+        d_topk_w = torch.where(saved.route_row >= 0,
+                               dots[saved.route_row.clamp(min=0).long()], 0.0)
+    else:
+        slots = arena.view("slots").view(num_tokens, topk, hidden)
+        dx = ops.combine_epilogue(slots, saved.topk_idx, ones, d_shared[0])
+        d_topk_w = torch.where(routed, arena.view("d_topk_w").view(num_tokens, topk), 0.0)
     return dx, d_topk_w, dw1, dw2, d_shared[1], d_shared[2]

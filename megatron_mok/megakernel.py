@@ -58,7 +58,8 @@ def counters_size(capacity: int) -> int:
 def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
                 save_h: bool, num_comm_sms: int, minibatch_rows: int,
                 direct: Optional[bool] = None, hold_tile: int = -1,
-                timeout_ms: Optional[int] = None, probe: Optional[torch.Tensor] = None):
+                timeout_ms: Optional[int] = None, probe: Optional[torch.Tensor] = None,
+                scatter: bool = True):
     """(x_rows, act, h, y_rows) of the routed expert pass; y rows land in the (token, k)
     slots of the arena of the rank that owns each route.
 
@@ -67,6 +68,9 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     (the backward's inputs). Otherwise comm CTAs pull the rows (from x at EP = 1, from the
     peers' published arena "x" at EP > 1) and push y rows; num_comm_sms of them.
 
+    scatter=False (direct mode only): fc2 writes y_rows and no slots; the combine reads
+    the rows in place (ops.combine_rows).
+
     probe: an int64 [num_SMs, PROBE_SLOTS] CUDA tensor (new_probe) to which every CTA adds
     its cycle counts (read with probe_summary); None: no probing."""
     arena = ws.arena
@@ -74,6 +78,8 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         direct = ws.ep_size == 1
     if direct and ws.ep_size != 1:
         raise ValueError("megatron_mok: the direct megakernel runs at EP = 1 only")
+    if not scatter and not direct:
+        raise ValueError("megatron_mok: only the direct megakernel can skip the slots")
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if not direct and not 1 <= num_comm_sms < num_sms:
         raise ValueError(f"megatron_mok: the forward megakernel needs 1 to {num_sms - 1} comm "
@@ -96,9 +102,10 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         sched.peer_rank, sched.peer_token, sched.peer_k, sched.expert_offsets, sched.num_rows,
         ws.topk, w1, w2, x_rows, act, h, y_rows, ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
-        0 if direct else num_comm_sms, minibatch_rows, direct, save_h, hold_tile, probe)
+        0 if direct else num_comm_sms, minibatch_rows, direct, save_h, hold_tile, probe,
+        scatter)
     if direct:
-        return None, act, h, (y_rows if save_h else None)
+        return None, act, h, (y_rows if save_h or not scatter else None)
     return x_rows, act, h, y_rows
 
 

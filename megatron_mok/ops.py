@@ -30,6 +30,11 @@ if _C is not None:
     def _combine_epilogue_fake(slots, topk_idx, topk_w, shared):
         return slots.new_empty(slots.shape[0], slots.shape[2])
 
+    if hasattr(torch.ops.megatron_mok, "combine_rows"):
+        @torch.library.register_fake("megatron_mok::combine_rows")
+        def _combine_rows_fake(rows, route_row, topk_w, shared):
+            return rows.new_empty(route_row.shape[0], rows.shape[1])
+
     # The communication ops only write into their (a!) arguments.
     for _name in ("ep_barrier", "gather_from_peers", "pull_rows", "push_rows",
                   "grouped_fc1_swiglu", "grouped_gemm_rows", "grouped_dgrad_swiglu",
@@ -44,6 +49,15 @@ def combine_epilogue(slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.
     if _C is None:
         raise RuntimeError(f"megatron_mok: {EXTENSION_ERROR}")
     return torch.ops.megatron_mok.combine_epilogue(slots, topk_idx, topk_w, shared)
+
+
+def combine_rows(rows: torch.Tensor, route_row: torch.Tensor, topk_w: torch.Tensor,
+                 shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """combine_epilogue with slots[t, k] = rows[route_row[t, k]] read in place (route_row
+    -1: not routed); bit-equal to pushing the rows into slots first (CUDA, bf16)."""
+    if _C is None:
+        raise RuntimeError(f"megatron_mok: {EXTENSION_ERROR}")
+    return torch.ops.megatron_mok.combine_rows(rows, route_row, topk_w, shared)
 
 
 def ep_barrier(peer_base, flag_offset: int, epoch, rank: int, watchdog, timeout_ms: int) -> None:

@@ -100,6 +100,34 @@ def test_training_step_bit_equal_to_the_launch_chain(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("path", ["launches", "megakernel"])
+def test_rows_combine_bit_equal_to_slots(path, monkeypatch):
+    """MOK_EP1_COMBINE=rows (no pushes, combines read the rows in place): the same bits as
+    the slots path in a training step, on the chain and on the direct megakernel."""
+    inputs = make_moe_inputs(num_tokens=640, hidden=1024, inter=512, num_local_experts=8,
+                             topk=4, shared_inter=256, seed=21, drop_fraction=0.05, device="cuda")
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    monkeypatch.setenv("MOK_FORWARD", path)
+
+    def step():
+        leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
+                  for k, v in inputs.items()}
+        y = mok.fused_moe(**leaves, config=KERNEL)
+        y.backward(dy)
+        return [y.detach()] + [leaves[k].grad for k in ("x", "topk_w", "w1", "w2", "shared_w1")]
+
+    monkeypatch.setenv("MOK_EP1_COMBINE", "slots")
+    slots = step()
+    monkeypatch.setenv("MOK_EP1_COMBINE", "rows")
+    rows = step()
+    for a, b in zip(rows, slots):
+        assert torch.equal(a, b)
+    y_spec = mok.fused_moe(inputs["x"], inputs["topk_idx"], inputs["topk_w"], inputs["w1"],
+                           inputs["w2"], inputs["shared_w1"], inputs["shared_w2"],
+                           config=MoKConfig(backend="reference"))
+    assert rel_l2(rows[0], y_spec) < 1e-2
+
+
 @pytest.mark.parametrize("num_comm", [2, 8, 24, 40])
 @pytest.mark.parametrize("minibatch", [256, 1024, 4096])
 def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch, monkeypatch):

@@ -51,6 +51,75 @@ __global__ void combine_epilogue_kernel(const T* __restrict__ slots, const Idx* 
   }
 }
 
+// The same sum with the routes' rows read in place from the expert output rows (EP = 1:
+// route (t, k) is row route_row[t, k] of y_rows, -1 if not routed), so no push copies them
+// into (t, k) slots first. Same values in the same order: bit-equal to the slots path.
+__global__ void combine_rows_kernel(const __nv_bfloat16* __restrict__ rows,
+                                    const int* __restrict__ route_row,
+                                    const float* __restrict__ w,
+                                    const __nv_bfloat16* __restrict__ shared,
+                                    __nv_bfloat16* __restrict__ out, int64_t T_, int K, int64_t H) {
+  const int64_t vecs_per_row = H / kVec;
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < T_ * vecs_per_row;
+       v += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = v / vecs_per_row, h0 = (v % vecs_per_row) * kVec;
+    float acc[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = shared ? to_float(shared[t * H + h0 + i]) : 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int64_t r = route_row[t * K + k];
+      if (r < 0) continue;
+      const float wk = w[t * K + k];
+      const __nv_bfloat16* row = rows + r * H + h0;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] += wk * to_float(row[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[t * H + h0 + i] = from_float<__nv_bfloat16>(acc[i]);
+  }
+}
+
+int grid_for(int64_t work, int threads) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return static_cast<int>(std::min<int64_t>(cute::ceil_div(work, int64_t(threads)),
+                                            int64_t(sms) * 8));
+}
+
+at::Tensor combine_rows_cuda(const at::Tensor& rows, const at::Tensor& route_row,
+                             const at::Tensor& topk_w, const std::optional<at::Tensor>& shared) {
+  TORCH_CHECK_VALUE(rows.is_cuda() && rows.dim() == 2 && rows.scalar_type() == at::kBFloat16 &&
+                        rows.is_contiguous(),
+                    "megatron_mok: rows must be a contiguous CUDA bf16 [R, H] tensor");
+  TORCH_CHECK_VALUE(route_row.dim() == 2 && route_row.scalar_type() == at::kInt &&
+                        route_row.is_contiguous() && route_row.device() == rows.device(),
+                    "megatron_mok: route_row must be a contiguous int32 [T, K] tensor on rows' "
+                    "device");
+  TORCH_CHECK_VALUE(topk_w.sizes() == route_row.sizes() && topk_w.scalar_type() == at::kFloat &&
+                        topk_w.is_contiguous() && topk_w.device() == rows.device(),
+                    "megatron_mok: topk_w must be a contiguous fp32 tensor shaped like route_row");
+  const int64_t T_ = route_row.size(0), H = rows.size(1);
+  const int K = static_cast<int>(route_row.size(1));
+  TORCH_CHECK_VALUE(H % kVec == 0, "megatron_mok: hidden size must be a multiple of ", kVec);
+  if (shared.has_value()) {
+    TORCH_CHECK_VALUE(shared->sizes() == at::IntArrayRef({T_, H}) && shared->is_contiguous() &&
+                          shared->scalar_type() == at::kBFloat16 &&
+                          shared->device() == rows.device(),
+                      "megatron_mok: shared must be a contiguous bf16 [T, H] tensor");
+  }
+  const c10::cuda::CUDAGuard guard(rows.device());
+  auto out = at::empty({T_, H}, rows.options());
+  constexpr int kThreads = 256;
+  const int blocks = grid_for(T_ * (H / kVec), kThreads);
+  if (blocks == 0) return out;
+  combine_rows_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(rows.data_ptr()), route_row.data_ptr<int>(),
+      topk_w.data_ptr<float>(),
+      shared.has_value() ? reinterpret_cast<const __nv_bfloat16*>(shared->data_ptr()) : nullptr,
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), T_, K, H);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 template <typename T, typename Idx>
 void launch(const at::Tensor& slots, const at::Tensor& idx, const at::Tensor& w,
             const std::optional<at::Tensor>& shared, at::Tensor& out) {
@@ -89,6 +158,7 @@ at::Tensor combine_epilogue_cuda(const at::Tensor& slots, const at::Tensor& topk
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("combine_epilogue", &combine_epilogue_cuda);
+  m.impl("combine_rows", &combine_rows_cuda);
 }
 
 }  // namespace megatron_mok

@@ -75,7 +75,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
                  const std::optional<at::Tensor>& h, const at::Tensor& y_rows,
                  const at::Tensor& counters, const at::Tensor& watchdog, int64_t timeout_ms,
                  int64_t rank, int64_t num_comm, int64_t minibatch_rows, bool direct,
-                 bool store_y, int64_t hold_tile, const std::optional<at::Tensor>& probe) {
+                 bool store_y, int64_t hold_tile, const std::optional<at::Tensor>& probe,
+                 bool scatter) {
   check_bf16_cuda(x_rows, "x_rows", 2);
   check_bf16_cuda(w1, "w1", 3);
   check_bf16_cuda(w2, "w2", 3);
@@ -157,7 +158,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
     p.num_tokens = int(x_local->size(0));
     p.x_row_map = row_map(*x_local);
   }
-  p.store_y = !direct || store_y;
+  p.scatter = scatter;
+  p.store_y = !direct || store_y || !scatter;
   if (R == 0) return;
 
   auto tma_x = make_load_a<Cfg1>(x_rows, make_stride(H, _1{}), int(R), int(H));

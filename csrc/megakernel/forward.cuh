@@ -88,6 +88,8 @@ struct ForwardParams {
   // kGatherTma: x_local as a [num_tokens, H] bf16 tensor map with 1 x 64 boxes, 128B swizzle.
   cute::TmaDescriptor x_row_map;  // (CUtensorMap carries its own alignment)
   bool store_y;              // direct mode: also store y_rows (the backward reads them)
+  bool scatter;              // direct mode: fc2 writes the (t, k) slots (else y_rows only,
+                             // read in place by the combine: ops.combine_rows)
   Watchdog dog;
   int hold_tile;             // tests: the pull of this tile is never published (-1: none)
   // Optional cycle probes (nullptr: off): kProbeSlots uint64 per CTA, see ProbeSlot.
@@ -626,7 +628,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
         if (!task.fc2) {
           gemm::tile_epilogue<Cfg1>(smem, es, p.fc1, task.tile, accum, true, tma_act, tma_h);
           if (es.wg_thread == 0) publish_tile(fc1_counter(p, task.tile.m_tile));
-        } else if (p.direct) {
+        } else if (p.direct && p.scatter) {
           scatter_fc2_epilogue<Cfg2>(smem, es, p, task.tile, accum, tma_y);
         } else {
           gemm::tile_epilogue<Cfg2>(smem, es, p.fc2, task.tile, accum, true, tma_y, tma_y);

@@ -1,0 +1,66 @@
+"""CPU parts of the megakernel's helpers: megakernel.probe_summary (the per-CTA cycle slots
+of csrc/megakernel/forward.cuh, ProbeSlot, summed and turned into per-K-step and per-task
+means) and kernel_backend.route_rows (the row of each route, for the in-place combine)."""
+
+import types
+
+import pytest
+import torch
+
+from megatron_mok import kernel_backend, megakernel
+
+
+def test_probe_summary_sums_ctas_and_derives_means():
+    probe = torch.zeros(3, megakernel.PROBE_SLOTS, dtype=torch.int64)
+    # CTA 0: 2 fc1 tasks, 10 K steps, 12 000 mainloop and 900 epilogue cycles; fc2 1 task.
+    probe[0, 0:4] = torch.tensor([2, 10, 12_000, 900])
+    probe[0, 4:8] = torch.tensor([1, 4, 5_000, 700])
+    probe[1, 0:4] = torch.tensor([1, 5, 6_000, 300])
+    probe[2, 8] = 400   # queue wait
+    probe[2, 9] = 250   # producer dependency wait
+    probe[2, 12:16] = 10 ** 12  # scratch timestamps must not leak into the sums
+    s = megakernel.probe_summary(probe)
+    assert s["fc1"]["tasks"] == 3 and s["fc1"]["k_steps"] == 15
+    assert s["fc1"]["cycles_per_k_step"] == 18_000 / 15
+    assert s["fc1"]["epilogue_cycles_per_task"] == 1_200 / 3
+    assert s["fc2"]["cycles_per_k_step"] == 5_000 / 4
+    assert s["queue_wait_cycles"] == 400 and s["dependency_wait_cycles"] == 250
+    assert s["consumer_cycles"] == 18_000 + 1_200 + 5_000 + 700 + 400
+
+
+def test_probe_summary_of_an_empty_launch():
+    s = megakernel.probe_summary(torch.zeros(2, megakernel.PROBE_SLOTS, dtype=torch.int64))
+    assert s["fc1"]["cycles_per_k_step"] == 0.0 and s["consumer_cycles"] == 0
+
+
+def test_route_rows_inverts_the_row_table():
+    """kernel_backend.route_rows (MOK_EP1_COMBINE=rows): route (t, k) -> its row, -1 if none,
+    whatever order the rows come in and however many padding rows there are."""
+    gen = torch.Generator().manual_seed(5)
+    T, K = 37, 3
+    routed = torch.rand(T, K, generator=gen) > 0.2
+    routes = routed.flatten().nonzero().flatten()
+    order = routes[torch.randperm(routes.numel(), generator=gen)]
+    pad = torch.full((11,), -1, dtype=torch.int64)
+    flat = torch.cat([order[:10], pad[:5], order[10:], pad[5:]])  # padding inside and after
+    valid = flat >= 0
+    sched = types.SimpleNamespace(
+        peer_rank=torch.where(valid, 0, -1).int(),
+        peer_token=torch.where(valid, flat // K, -1).int(),
+        peer_k=torch.where(valid, flat % K, -1).int())
+    table = kernel_backend.route_rows(sched, T, K)
+    assert table.shape == (T, K) and table.dtype == torch.int32
+    assert torch.equal(table >= 0, routed)
+    for j in valid.nonzero().flatten().tolist():
+        assert table[int(flat[j]) // K, int(flat[j]) % K] == j
+
+
+def test_rows_combine_is_opt_in_and_ep1_only(monkeypatch):
+    ep1, ep2 = types.SimpleNamespace(ep_size=1), types.SimpleNamespace(ep_size=2)
+    monkeypatch.delenv("MOK_EP1_COMBINE", raising=False)
+    assert not kernel_backend.rows_combine(ep1)
+    monkeypatch.setenv("MOK_EP1_COMBINE", "rows")
+    assert kernel_backend.rows_combine(ep1) and not kernel_backend.rows_combine(ep2)
+    monkeypatch.setenv("MOK_EP1_COMBINE", "inplace")
+    with pytest.raises(ValueError, match="MOK_EP1_COMBINE"):
+        kernel_backend.rows_combine(ep1)
