@@ -72,7 +72,8 @@ TORCH_LIBRARY(megatron_mok, m) {
   // persistent launch. x_local: EP = 1, pull from this x instead of the peers' buffers.
   // direct (EP = 1, num_comm = 0): fc1 gathers its rows from x_local, fc2 scatters into the
   // slots (x_rows is not written; y_rows only with store_y).
-  // hold_tile >= 0 (tests) never publishes that tile's pull: the watchdog must fire.
+  // hold_tile >= 0 (tests): the last mover warp never publishes that tile's pull, so the
+  // watchdog must fire.
   // probe (optional int64 [num_sms, 16]): per-CTA cycle sums (megakernel/forward.cuh).
   // scatter = false (direct mode): y_rows only, no (t, k) slots (combine_rows reads them).
   m.def("moe_forward(Tensor peer_base, int x_offset, Tensor? x_local, int slots_offset, "

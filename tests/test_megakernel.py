@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_mok import functional as mok
-from megatron_mok import megakernel
+from megatron_mok import megakernel, ops
 from megatron_mok.config import MoKConfig
 from moe_inputs import make_moe_inputs, rel_l2
 
@@ -37,6 +37,16 @@ def _layer(hidden=2048, inter=768, experts=16, topk=8, tokens=1000, seed=0, shar
                            hidden_size=hidden, topk=topk, num_local_experts=experts)
     sched = mok.build_schedule(ws, KERNEL, inputs["topk_idx"])
     return inputs, ws, sched
+
+
+def _poison(ws, hidden, inter):
+    """NaN in the (t, k) slots and in the blocks the caching allocator hands out next, so a
+    row that a path forgets to write cannot pass for one an earlier run left behind."""
+    ws.arena.view("slots").fill_(float("nan"))
+    ws.arena.view("d_topk_w").fill_(float("nan"))
+    junk = [torch.full((ws.capacity, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for n in (hidden, hidden, inter, 2 * inter, hidden, hidden)]
+    del junk
 
 
 def _forward(inputs, ws, sched, config=KERNEL):
@@ -67,8 +77,10 @@ def test_bit_equal_to_the_launch_chain(shape, path, gather, mover_warps, monkeyp
     monkeypatch.setenv("MOK_FORWARD", path)
     monkeypatch.setenv("MOK_MEGAKERNEL_GATHER", gather)
     monkeypatch.setenv("MOK_MOVER_WARPS", str(mover_warps))
+    _poison(ws, hidden, inter)
     y, saved = _forward(inputs, ws, sched)
     monkeypatch.setenv("MOK_FORWARD", "launches")
+    _poison(ws, hidden, inter)
     y_ref, saved_ref = _forward(inputs, ws, sched)
     rows = int(sched.num_rows.item())
     assert (saved.x_rows is None) == (path == "megakernel")  # direct mode gathers on the fly
@@ -118,10 +130,35 @@ def test_rows_combine_bit_equal_to_slots(path, monkeypatch):
 
     monkeypatch.setenv("MOK_EP1_COMBINE", "slots")
     slots = step()
+    with torch.no_grad():
+        y_slots = mok.fused_moe(**inputs, config=KERNEL)
+    # Spies: the rows path must run (two combines per step, no scatter in the megakernel),
+    # and NaN in the slots and fresh buffers must not reach its results.
+    calls = {"combine_rows": 0, "scatter": []}
+    combine_rows, moe_forward = ops.combine_rows, megakernel.moe_forward
+
+    def combine_rows_spy(*args, **kwargs):
+        calls["combine_rows"] += 1
+        return combine_rows(*args, **kwargs)
+
+    def moe_forward_spy(*args, **kwargs):
+        calls["scatter"].append(kwargs.get("scatter", True))
+        return moe_forward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "combine_rows", combine_rows_spy)
+    monkeypatch.setattr(megakernel, "moe_forward", moe_forward_spy)
     monkeypatch.setenv("MOK_EP1_COMBINE", "rows")
+    ws = mok.get_workspace(KERNEL, None, device="cuda", num_local_tokens=640, hidden_size=1024,
+                           topk=4, num_local_experts=8)
+    _poison(ws, 1024, 512)
     rows = step()
     for a, b in zip(rows, slots):
         assert torch.equal(a, b)
+    _poison(ws, 1024, 512)
+    with torch.no_grad():  # no saved context: y rows stored only because nothing scatters
+        assert torch.equal(mok.fused_moe(**inputs, config=KERNEL), y_slots)
+    assert calls["combine_rows"] == 3
+    assert calls["scatter"] == ([False, False] if path == "megakernel" else [])
     y_spec = mok.fused_moe(inputs["x"], inputs["topk_idx"], inputs["topk_w"], inputs["w1"],
                            inputs["w2"], inputs["shared_w1"], inputs["shared_w2"],
                            config=MoKConfig(backend="reference"))

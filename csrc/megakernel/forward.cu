@@ -44,10 +44,10 @@ int gather_mode() {
 // measurements, docs/perf-notes.md megakernel v10).
 int mover_warps() {
   const char* env = std::getenv("MOK_MOVER_WARPS");
-  const int warps = env == nullptr ? 1 : std::atoi(env);
-  TORCH_CHECK(warps == 1 || warps == 2 || warps == 4,
-              "megatron_mok: MOK_MOVER_WARPS must be 1, 2 or 4, got ", env == nullptr ? "" : env);
-  return warps;
+  const std::string value = env == nullptr ? "1" : env;
+  TORCH_CHECK(value == "1" || value == "2" || value == "4",
+              "megatron_mok: MOK_MOVER_WARPS must be 1, 2 or 4, got ", value);
+  return std::stoi(value);
 }
 
 // x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (one 128-byte row piece), 128B swizzle.
@@ -110,7 +110,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   TORCH_CHECK(direct ? num_comm == 0 : (num_comm >= 1 && num_comm < sms),
               "megatron_mok: the forward megakernel needs 1 to ", sms - 1,
               " comm SMs (0 in direct mode), got ", num_comm);
-  const int warps = mover_warps();
+  TORCH_CHECK(direct || scatter, "megatron_mok: only the direct megakernel can skip the slots");
+  const int warps = direct ? 1 : mover_warps();
   const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps);
   TORCH_CHECK(direct || lag >= 1, "megatron_mok: the forward megakernel's ", warps,
               " row movers cannot hold rows of H = ", H, " bf16 in shared memory");
@@ -143,10 +144,11 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.hold_tile = int(hold_tile);
   p.probe = nullptr;
   if (probe.has_value()) {
-    TORCH_CHECK(probe->is_cuda() && probe->scalar_type() == at::kLong && probe->is_contiguous() &&
+    TORCH_CHECK(probe->device() == x_rows.device() && probe->scalar_type() == at::kLong &&
+                    probe->is_contiguous() &&
                     probe->numel() >= int64_t(sms) * megakernel::kProbeSlots,
-                "megatron_mok: probe must be a contiguous CUDA int64 tensor of at least ",
-                int64_t(sms) * megakernel::kProbeSlots, " entries");
+                "megatron_mok: probe must be a contiguous int64 tensor on x_rows' device of at "
+                "least ", int64_t(sms) * megakernel::kProbeSlots, " entries");
     p.probe = reinterpret_cast<unsigned long long*>(probe->data_ptr<int64_t>());
   }
   p.direct = direct;
@@ -154,7 +156,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   // MOK_MEGAKERNEL_PREFETCH=1: bulk-prefetch each fc1 task's whole rows of x into L2 first.
   const char* prefetch = std::getenv("MOK_MEGAKERNEL_PREFETCH");
   p.prefetch_rows = prefetch != nullptr && std::string(prefetch) == "1";
-  if (direct && p.gather == megakernel::kGatherTma) {
+  if (direct && p.gather == megakernel::kGatherTma && x_local->size(0) > 0) {
     p.num_tokens = int(x_local->size(0));
     p.x_row_map = row_map(*x_local);
   }

@@ -91,7 +91,8 @@ struct ForwardParams {
   bool scatter;              // direct mode: fc2 writes the (t, k) slots (else y_rows only,
                              // read in place by the combine: ops.combine_rows)
   Watchdog dog;
-  int hold_tile;             // tests: the pull of this tile is never published (-1: none)
+  int hold_tile;             // tests: the last mover warp never publishes this tile's pull
+                             // (-1: none)
   // Optional cycle probes (nullptr: off): kProbeSlots uint64 per CTA, see ProbeSlot.
   unsigned long long* probe;
 };
@@ -226,7 +227,9 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
   int64_t pending_at = 0;
   auto publish = [&](int tile) {
     fence_proxy_async_global();  // the rows are read by fc1's TMA loads
-    if (tile != p.hold_tile) red_release_gpu_add(pulled_counter(p, tile), 1);
+    // hold_tile (tests): the last mover warp withholds its share, so the tile never
+    // counts to mover_warps even if the others publish theirs.
+    if (tile != p.hold_tile || warp != warps - 1) red_release_gpu_add(pulled_counter(p, tile), 1);
   };
   mover.run(
       n,
@@ -360,7 +363,9 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr int BM = Cfg::BM, BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
   static_assert(BM == 128 && BK * 2 == 128, "one 128-byte line per row and K step");
-  static_assert(kGatherLag < Cfg::Stages,
+  // Stage i is signalled at iteration i + L, which waits for stage i + L - S to be empty;
+  // the consumers release a stage only after the next one is full, so L <= S - 2.
+  static_assert(kGatherLag <= Cfg::Stages - 2,
                 "a stage is signalled before the producer needs it again");
   const int lane = ptid & 31, warp = ptid >> 5;
   const bool lines = p.gather == kGatherLines;
