@@ -59,7 +59,7 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
                 save_h: bool, num_comm_sms: int, minibatch_rows: int,
                 direct: Optional[bool] = None, hold_tile: int = -1,
                 timeout_ms: Optional[int] = None, probe: Optional[torch.Tensor] = None,
-                scatter: bool = True):
+                scatter: bool = True, ring_rows: Optional[int] = None):
     """(x_rows, act, h, y_rows) of the routed expert pass; y rows land in the (token, k)
     slots of the arena of the rank that owns each route.
 
@@ -71,6 +71,10 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     scatter=False (direct mode only): fc2 writes y_rows and no slots; the combine reads
     the rows in place (ops.combine_rows).
 
+    ring_rows (comm mode only): pull into a ring of this many x rows (whole tiles, at least
+    one minibatch), tile m into slot m mod ring tiles once fc1 has read the slot's previous
+    tile; x_rows is then not returned (None): the backward must gather it again.
+
     probe: an int64 [num_SMs, PROBE_SLOTS] CUDA tensor (new_probe) to which every CTA adds
     its cycle counts (read with probe_summary); None: no probing."""
     arena = ws.arena
@@ -80,6 +84,11 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         raise ValueError("megatron_mok: the direct megakernel runs at EP = 1 only")
     if not scatter and not direct:
         raise ValueError("megatron_mok: only the direct megakernel can skip the slots")
+    if ring_rows is not None and (direct or ring_rows % TILE_M or ring_rows < minibatch_rows
+                                  or ring_rows > ws.capacity):
+        raise ValueError(f"megatron_mok: an x_rows ring needs comm CTAs and whole tiles between "
+                         f"the minibatch ({minibatch_rows}) and the capacity ({ws.capacity}), "
+                         f"got {ring_rows} rows")
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if not direct and not 1 <= num_comm_sms < num_sms:
         raise ValueError(f"megatron_mok: the forward megakernel needs 1 to {num_sms - 1} comm "
@@ -96,7 +105,8 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     act = x.new_empty(rows, inter)
     h = x.new_empty(rows, 2 * inter) if save_h else None
     y_rows = x.new_empty(rows, hidden)
-    x_rows = y_rows if direct else x.new_empty(rows, hidden)  # direct: a placeholder only
+    # direct: a placeholder only; ring: ring_rows rows reused tile by tile
+    x_rows = y_rows if direct else x.new_empty(ring_rows or rows, hidden)
     torch.ops.megatron_mok.moe_forward(
         arena.peer_base, arena.offset("x"), x if ws.ep_size == 1 else None, arena.offset("slots"),
         sched.peer_rank, sched.peer_token, sched.peer_k, sched.expert_offsets, sched.num_rows,
@@ -106,7 +116,7 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         scatter)
     if direct:
         return None, act, h, (y_rows if save_h or not scatter else None)
-    return x_rows, act, h, y_rows
+    return (None if ring_rows else x_rows), act, h, y_rows
 
 
 # Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first

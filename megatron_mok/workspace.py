@@ -112,7 +112,8 @@ class SymmetricArena:
                     f"{waited_ns / 1e6:.0f} ms")
         # Forward megakernel waits: [3] is the 128-row tile whose counter did not arrive.
         waits = {2: ("a fc1 task", "rows pulled"), 3: ("a fc2 task", "fc1 tile halves done"),
-                 4: ("a comm CTA's push", "fc2 tile halves done")}
+                 4: ("a comm CTA's push", "fc2 tile halves done"),
+                 5: ("a comm CTA's pull into the x_rows ring", "fc1 tile halves done")}
         role, counter = waits.get(what, (f"wait #{what}", "counter"))
         return (f"megatron_mok watchdog: rank {rank} stuck in the forward megakernel (block "
                 f"{block}, {role}) waiting for row tile {peer}: {counter} expected {expected}, "

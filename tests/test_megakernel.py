@@ -177,6 +177,29 @@ def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch, mo
     assert torch.equal(y, y_base)
 
 
+@pytest.mark.parametrize("ring_tiles, mover_warps", [(2, 1), (2, 4), (5, 2)])
+def test_x_rows_ring_wraps_without_changing_a_bit(ring_tiles, mover_warps, monkeypatch):
+    """A ring of 2 or 5 row tiles (minibatch of 2 tiles) wraps dozens of times over the
+    ~100 tiles of the table: the same act, h, y rows and slots as with a row per route."""
+    inputs, ws, sched = _layer(tokens=1500, seed=23)
+    x, w1, w2 = inputs["x"], inputs["w1"], inputs["w2"]
+    hidden, inter = x.shape[1], w2.shape[2]
+    kwargs = dict(save_h=True, num_comm_sms=4, minibatch_rows=256, direct=False)
+    rows = int(sched.num_rows.item())
+    assert rows > 20 * ring_tiles * 128  # it must wrap
+    routed = inputs["topk_idx"] >= 0
+    monkeypatch.setenv("MOK_MOVER_WARPS", str(mover_warps))
+    _poison(ws, hidden, inter)
+    full = [t.clone() for t in megakernel.moe_forward(ws, sched, x, w1, w2, **kwargs)[1:]]
+    slots_full = ws.arena.view("slots").view(*routed.shape, hidden)[routed].clone()
+    _poison(ws, hidden, inter)
+    ring = megakernel.moe_forward(ws, sched, x, w1, w2, ring_rows=ring_tiles * 128, **kwargs)
+    assert ring[0] is None  # the ring keeps no x rows for the backward
+    for a, b in zip(full, ring[1:]):
+        assert torch.equal(a[:rows], b[:rows])
+    assert torch.equal(ws.arena.view("slots").view(*routed.shape, hidden)[routed], slots_full)
+
+
 def test_counters_reset_between_launches_and_in_graphs():
     inputs, ws, sched = _layer(tokens=384, seed=11)
     first, _ = _forward(inputs, ws, sched)
@@ -213,7 +236,13 @@ def test_one_kernel_between_schedule_and_combine():
 def test_bad_knobs_raise_before_launch():
     inputs, ws, sched = _layer(tokens=256, seed=2)
     for kwargs, match in (({"num_comm_sms": 0, "minibatch_rows": 256, "direct": False}, "comm"),
-                          ({"num_comm_sms": 4, "minibatch_rows": 100}, "minibatch")):
+                          ({"num_comm_sms": 4, "minibatch_rows": 100}, "minibatch"),
+                          ({"num_comm_sms": 0, "minibatch_rows": 256, "direct": True,
+                            "ring_rows": 256}, "ring"),
+                          ({"num_comm_sms": 4, "minibatch_rows": 512, "direct": False,
+                            "ring_rows": 256}, "ring"),
+                          ({"num_comm_sms": 4, "minibatch_rows": 256, "direct": False,
+                            "scatter": False}, "slots")):
         with pytest.raises(ValueError, match=match):
             megakernel.moe_forward(ws, sched, inputs["x"], inputs["w1"], inputs["w2"],
                                    save_h=False, **kwargs)

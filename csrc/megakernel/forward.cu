@@ -82,12 +82,19 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   check_bf16_cuda(w2, "w2", 3);
   check_bf16_cuda(act, "act", 2);
   check_bf16_cuda(y_rows, "y_rows", 2);
-  const int64_t R = x_rows.size(0), H = x_rows.size(1), E = w1.size(0), I = w1.size(1) / 2;
+  // R: rows of the table (act, h, y_rows); x_rows may be a ring of fewer rows (comm mode).
+  const int64_t R = y_rows.size(0), H = y_rows.size(1), E = w1.size(0), I = w1.size(1) / 2;
+  const int64_t ring_rows = x_rows.size(0);
   TORCH_CHECK(w1.size(1) == 2 * I && w1.size(2) == H, "megatron_mok: w1 must be [E, 2I, H]");
   TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I,
               "megatron_mok: w2 must be [E, H, I]");
   TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
-  TORCH_CHECK(y_rows.sizes() == x_rows.sizes(), "megatron_mok: y_rows must be [rows, H]");
+  TORCH_CHECK(x_rows.size(1) == H && ring_rows <= R && ring_rows % 128 == 0,
+              "megatron_mok: x_rows must be [rows, H] or a ring of whole 128-row tiles");
+  TORCH_CHECK(ring_rows == R || (!direct && ring_rows >= minibatch_rows),
+              "megatron_mok: an x_rows ring needs comm CTAs and at least one minibatch of rows "
+              "(its pulls wait on the fc1 tiles of an earlier minibatch), got ", ring_rows,
+              " rows for minibatch ", minibatch_rows);
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   for (auto [t, name] : {std::pair{&peer_rank, "peer_rank"}, {&peer_token, "peer_token"},
                          {&peer_k, "peer_k"}}) {
@@ -122,7 +129,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.fc1 = rows_params(offsets, num_rows, R, I, H, Cfg1::BN / 2);
   p.fc1.store_h = h.has_value();
   p.fc2 = rows_params(offsets, num_rows, R, H, I, Cfg2::BN);
-  p.fc1_shapes = {int(R), int(H), int(I), int(H), int(2 * E)};
+  p.fc1_shapes = {int(ring_rows), int(H), int(I), int(H), int(2 * E)};
+  p.ring_tiles = ring_rows < R ? int(ring_rows / 128) : 0;
   p.fc2_shapes = {int(R), int(I), int(H), int(I), int(E)};
   p.mb_tiles = int(minibatch_rows / 128);
   p.mover_lag = lag;
@@ -164,7 +172,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.store_y = !direct || store_y || !scatter;
   if (R == 0) return;
 
-  auto tma_x = make_load_a<Cfg1>(x_rows, make_stride(H, _1{}), int(R), int(H));
+  auto tma_x = make_load_a<Cfg1>(x_rows, make_stride(H, _1{}), int(ring_rows), int(H));
   auto tma_w1 = make_load_b<Cfg1>(w1, make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E));
   auto tma_act = make_store_atom<Cfg1>(rows_view(act));
   auto tma_h = make_store_atom<Cfg1>(h.has_value() ? halves_view(*h) : rows_view(act));

@@ -63,6 +63,8 @@ struct ForwardParams {
   gemm::GemmParams fc2;   // N = H, K = I
   gemm::OperandShapes fc1_shapes, fc2_shapes;
   int mb_tiles;           // row tiles per minibatch
+  int ring_tiles;         // comm mode: x_rows holds this many row tiles, tile m in slot
+                          // m % ring_tiles (0: every tile has its own rows)
   int mover_lag;          // rows in flight each way per mover warp (mover_lag())
   int mover_warps;        // row movers (warps) per comm CTA, 1..kMaxMoverWarps
   int num_comm;           // comm CTAs
@@ -220,6 +222,11 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
   // The warp's last row of a tile (128 % warps == 0: every warp has rows in every tile).
   auto last_of_tile = [&](int q) { return seq_of(q) % 128 + warps >= 128; };
   auto first_of_tile = [&](int q) { return seq_of(q) % 128 < warps; };
+  // Where the row lands in x_rows: its own row, or its tile's ring slot.
+  auto x_row_of = [&](int q) {
+    return p.ring_tiles > 0 ? int64_t(tile_of(q) % p.ring_tiles) * 128 + seq_of(q) % 128
+                            : row_of(q);
+  };
 
   // Pull. A tile is published kMoverLag groups after its last store was committed, when
   // wait_group<kMoverLag> says those stores completed without draining the pipeline.
@@ -235,7 +242,7 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
       n,
       [&](int i) -> RowJob {
         const int64_t j = row_of(i);
-        void* dst = p.x_rows + j * p.row_vecs;
+        void* dst = p.x_rows + x_row_of(i) * p.row_vecs;
         const int src_rank = __ldg(p.peer_rank + j);
         if (src_rank < 0) return {nullptr, dst};  // padding row: zeros for fc1
         const int64_t token = __ldg(p.peer_token + j);
@@ -244,7 +251,17 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
                                : peer_ptr<const uint4>(p.peer_base, src_rank, p.x_offset);
         return {src + token * p.row_vecs, dst};
       },
-      [](int) {},
+      [&](int i) {
+        // Ring: the slot's previous tile must have been read by all of its fc1 tasks
+        // (published after their mainloops), which come a minibatch or more earlier in the
+        // task order (ring_tiles >= mb_tiles), so this wait cannot block them.
+        const int m = tile_of(i);
+        if (p.ring_tiles > 0 && first_of_tile(i) && m >= p.ring_tiles) {
+          wait_counter(fc1_counter(p, m - p.ring_tiles), 2 * p.fc1.n_tiles, p.dog,
+                       kWaitRingFree, m - p.ring_tiles);
+          fence_proxy_async_global();  // fc1's TMA reads, then our bulk writes
+        }
+      },
       [&](int i) {
         if (pending >= 0 && mover.committed - pending_at >= kMoverLag) {
           asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kMoverLag) : "memory");
@@ -577,7 +594,9 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
               wait_counter(pulled_counter(p, m), p.mover_warps, p.dog, kWaitRowsPulled, m);
               if (p.probe != nullptr) probe_add(p, kProbeDepWait, clock64() - w0);
               fence_proxy_async_global();
-              gemm::load_task<Cfg1>(smem, tma_x, tma_w1, tma_w1, p.fc1_shapes, task.tile, 0,
+              gemm::Task a_task = task.tile;  // A from the tile's ring slot, if any
+              if (p.ring_tiles > 0) a_task.m_tile = m % p.ring_tiles;
+              gemm::load_task<Cfg1>(smem, tma_x, tma_w1, tma_w1, p.fc1_shapes, a_task, 0,
                                     ring);
             }
           } else if (ptid == 0) {
