@@ -116,7 +116,8 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         scatter)
     if direct:
         return None, act, h, (y_rows if save_h or not scatter else None)
-    return (None if ring_rows else x_rows), act, h, y_rows
+    ring = ring_rows is not None and ring_rows < rows
+    return (None if ring else x_rows), act, h, y_rows
 
 
 # Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first

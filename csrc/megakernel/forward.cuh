@@ -23,8 +23,8 @@
 // Every output tile has one owner and a fixed K order and the copies move bytes unchanged,
 // so the result is bitwise independent of num_comm, the minibatch and the grid. Tasks are
 // drawn in order and only wait on earlier tasks or on the comm CTAs' pulls, which wait on
-// nothing, so the pass cannot deadlock while every CTA is resident (a cooperative launch
-// guarantees that). Counters start at zero; the last CTA to leave zeroes them for the next
+// nothing (with an x_rows ring: only on fc1 tasks of earlier minibatches), so the pass
+// cannot deadlock while every CTA is resident (a cooperative launch guarantees that). Counters start at zero; the last CTA to leave zeroes them for the next
 // launch (stream order), so the pass needs no memset and is CUDA-graph capturable.
 #pragma once
 
@@ -79,7 +79,7 @@ struct ForwardParams {
   const uint4* x_local;      // EP = 1: pull from this x instead of the peers
   int topk;
   int row_vecs;              // H / 8: 16-byte vectors per row
-  uint4* x_rows;             // [rows_cap, H] pulled rows (fc1's A)
+  uint4* x_rows;             // [rows_cap, H] pulled rows (fc1's A), or a ring of ring_tiles
   const uint4* y_rows;       // [rows_cap, H] fc2 output (pushed)
   // Direct mode (EP = 1, no comm CTAs): fc1's producer warpgroup gathers its A rows from
   // x_local itself and fc2's epilogue scatters finished rows straight into the slots.
@@ -251,14 +251,26 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
                                : peer_ptr<const uint4>(p.peer_base, src_rank, p.x_offset);
         return {src + token * p.row_vecs, dst};
       },
+      [](int) {},
       [&](int i) {
-        // Ring: the slot's previous tile must have been read by all of its fc1 tasks
-        // (published after their mainloops), which come a minibatch or more earlier in the
-        // task order (ring_tiles >= mb_tiles), so this wait cannot block them.
+        // Ring: before the first store into a slot, the slot's previous tile must have been
+        // read by all of its fc1 tasks (they publish after their mainloops). Those come a
+        // minibatch or more earlier in the task order (ring_tiles >= mb_tiles), so they are
+        // never queued behind this pull. The wait sits on the store side (loads into smem
+        // go on) and publishes the previous tile first, so pulled[m'] depends on no ring
+        // wait but tile m''s own (waiting while the last tile is unpublished deadlocked).
         const int m = tile_of(i);
         if (p.ring_tiles > 0 && first_of_tile(i) && m >= p.ring_tiles) {
-          wait_counter(fc1_counter(p, m - p.ring_tiles), 2 * p.fc1.n_tiles, p.dog,
-                       kWaitRingFree, m - p.ring_tiles);
+          const int* done = fc1_counter(p, m - p.ring_tiles);
+          const int target = 2 * p.fc1.n_tiles;
+          if (ld_acquire_gpu(done) < target) {
+            if (pending >= 0) {
+              asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+              publish(pending);
+              pending = -1;
+            }
+            wait_counter(done, target, p.dog, kWaitRingFree, m - p.ring_tiles);
+          }
           fence_proxy_async_global();  // fc1's TMA reads, then our bulk writes
         }
       },
@@ -296,7 +308,7 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
           fence_proxy_async_global();  // y rows were written by TMA stores: read them by TMA
         }
       },
-      [](int) {});
+      [](int) {}, [](int) {});
   if (threadIdx.x % 32 == 0) bulk_store_wait_all();  // smem must outlive the stores' reads
 }
 

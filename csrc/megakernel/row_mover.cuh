@@ -108,10 +108,12 @@ struct RowMover {
   // Streams rows [0, n); called by every lane of one warp. job(i) -> RowJob (row
   // metadata: the lanes fetch 32 rows' worth at once, so the global-load latency of the
   // row table is paid once per 32 rows, not per row); lane 0 alone issues the copies and
-  // runs before_load(i) before row i is read (a dependency wait) and after_commit(i) once
-  // row i's store is committed (publishing).
-  template <class Job, class BeforeLoad, class AfterCommit>
-  __device__ void run(int n, Job&& job, BeforeLoad&& before_load, AfterCommit&& after_commit) {
+  // runs before_load(i) before row i is read (a dependency wait), before_store(i) before
+  // row i is written (a wait for its destination to be free) and after_commit(i) once row
+  // i's store is committed (publishing).
+  template <class Job, class BeforeLoad, class BeforeStore, class AfterCommit>
+  __device__ void run(int n, Job&& job, BeforeLoad&& before_load, BeforeStore&& before_store,
+                      AfterCommit&& after_commit) {
     static_assert(kMoverLag < 32, "a stored row is in the current or the previous batch");
     const int lane = threadIdx.x % 32;
     RowJob batch{nullptr, nullptr}, last_batch{nullptr, nullptr};  // rows (i / 32) * 32 + lane
@@ -140,6 +142,7 @@ struct RowMover {
       if (j >= 0) {
         const RowJob r = row_job(j / 32 == i / 32 ? batch : last_batch, j);
         if (lane == 0) {
+          before_store(j);
           if (r.dst != nullptr) {
             if (r.src != nullptr) {
               const int s = j % kMoverSlots;
