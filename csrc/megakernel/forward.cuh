@@ -24,8 +24,9 @@
 // so the result is bitwise independent of num_comm, the minibatch and the grid. Tasks are
 // drawn in order and only wait on earlier tasks or on the comm CTAs' pulls, which wait on
 // nothing (with an x_rows ring: only on fc1 tasks of earlier minibatches), so the pass
-// cannot deadlock while every CTA is resident (a cooperative launch guarantees that). Counters start at zero; the last CTA to leave zeroes them for the next
-// launch (stream order), so the pass needs no memset and is CUDA-graph capturable.
+// cannot deadlock while every CTA is resident (a cooperative launch guarantees that).
+// Counters start at zero; the last CTA to leave zeroes them for the next launch (stream
+// order), so the pass needs no memset and is CUDA-graph capturable.
 #pragma once
 
 #include "gemm/tile.cuh"
