@@ -178,12 +178,12 @@ def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch, mo
 
 
 @pytest.mark.parametrize("ring_tiles, minibatch, mover_warps",
-                         [(2, 256, 1), (2, 256, 4), (5, 384, 2), (3, 256, 1)])
+                         [(2, 256, 1), (2, 256, 4), (5, 384, 2), (3, 256, 1), (4, 512, 2)])
 def test_x_rows_ring_wraps_without_changing_a_bit(ring_tiles, minibatch, mover_warps,
                                                   monkeypatch):
-    """A ring of 2, 3 or 5 row tiles (fewer than, or not a multiple of, the 4 comm CTAs
-    and the minibatch) wraps dozens of times over the ~96 tiles of the table: the same
-    act, h, y rows and slots as with a row per route."""
+    """A ring of 2 to 5 row tiles (fewer than, as many as, or not a multiple of the 4 comm
+    CTAs and the minibatch) wraps 19-48 times over the ~96 tiles of the table: the same
+    act, h, y rows and slots as with a row per route. A deadlock fails in 5 s (watchdog)."""
     inputs, ws, sched = _layer(tokens=1500, seed=23)
     x, w1, w2 = inputs["x"], inputs["w1"], inputs["w2"]
     hidden, inter = x.shape[1], w2.shape[2]
@@ -196,7 +196,8 @@ def test_x_rows_ring_wraps_without_changing_a_bit(ring_tiles, minibatch, mover_w
     full = [t.clone() for t in megakernel.moe_forward(ws, sched, x, w1, w2, **kwargs)[1:]]
     slots_full = ws.arena.view("slots").view(*routed.shape, hidden)[routed].clone()
     _poison(ws, hidden, inter)
-    ring = megakernel.moe_forward(ws, sched, x, w1, w2, ring_rows=ring_tiles * 128, **kwargs)
+    ring = megakernel.moe_forward(ws, sched, x, w1, w2, ring_rows=ring_tiles * 128,
+                                  timeout_ms=5000, **kwargs)
     assert ring[0] is None  # the ring keeps no x rows for the backward
     for a, b in zip(full, ring[1:]):
         assert torch.equal(a[:rows], b[:rows])

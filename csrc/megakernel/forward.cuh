@@ -259,14 +259,15 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
         // minibatch or more earlier in the task order (ring_tiles >= mb_tiles), so they are
         // never queued behind this pull. The wait sits on the store side (loads into smem
         // go on) and publishes the previous tile first, so pulled[m'] depends on no ring
-        // wait but tile m''s own (waiting while the last tile is unpublished deadlocked).
+        // wait but those of m' and the CTA's earlier tiles (waiting while the last tile
+        // was unpublished deadlocked).
         const int m = tile_of(i);
         if (p.ring_tiles > 0 && first_of_tile(i) && m >= p.ring_tiles) {
           const int* done = fc1_counter(p, m - p.ring_tiles);
           const int target = 2 * p.fc1.n_tiles;
           if (ld_acquire_gpu(done) < target) {
             if (pending >= 0) {
-              asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+              bulk_store_wait_all();
               publish(pending);
               pending = -1;
             }
