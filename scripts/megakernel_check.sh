@@ -14,8 +14,12 @@ if ! timeout 90 $PY -m pytest -q -x tests/test_megakernel.py -k "selected or bit
   exit 1
 fi
 tail -1 "$OUT/smoke_megakernel.log"
-timeout 240 $PY -m pytest -q -ra tests/test_megakernel.py > "$OUT/test_megakernel.log" 2>&1
+timeout 240 $PY -m pytest -q -ra tests/test_megakernel.py -k "not ring" \
+  > "$OUT/test_megakernel.log" 2>&1
 grep -E "^E .*(rel|assert|Error)|^FAILED|passed|failed" "$OUT/test_megakernel.log" | head -20
+# The x_rows ring in its own process: a deadlock traps and poisons the CUDA context.
+timeout 90 $PY -m pytest -q -ra tests/test_megakernel.py -k "ring" > "$OUT/test_ring.log" 2>&1
+grep -E "^E .*(assert|Error|watchdog)|^FAILED|passed|failed" "$OUT/test_ring.log" | head -10
 if [ "${SKIP_CORE:-0}" != 1 ]; then
   timeout 200 $PY -m pytest -q -ra tests/test_grouped_gemm.py > "$OUT/test_core.log" 2>&1
   grep -E "^FAILED|passed|failed" "$OUT/test_core.log" | head -10
