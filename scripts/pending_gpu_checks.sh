@@ -17,6 +17,10 @@ timeout 240 $PY -m pytest -q -ra tests/test_megakernel.py -k "not ring" \
 grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_megakernel.log" | head -20
 timeout 90 $PY -m pytest -q -ra tests/test_megakernel.py -k "ring" > "$OUT/test_ring.log" 2>&1
 grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" "$OUT/test_ring.log" | head -10
+# EP = 2/4/8 as processes on one GPU, forward on the comm-mode megakernel with 4 mover warps.
+MOK_FORWARD=megakernel MOK_MOVER_WARPS=4 timeout 150 $PY -m pytest -q -ra -m gpu \
+  tests/test_gpu_backend.py -k ep_ranks > "$OUT/test_ep_movers.log" 2>&1
+grep -E "^FAILED|passed|failed" "$OUT/test_ep_movers.log" | head -5
 timeout 90 $PY -m benchmarks.probe_megakernel --shapes "$shapes" --out "$OUT" 2>&1 \
   | tee "$OUT/probe_megakernel.log" | tail -10
 timeout 150 $PY -m benchmarks.megakernel --shapes "$shapes" --gather lines,lines+inplace \
