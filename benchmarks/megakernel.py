@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minibatch", default="1024,4096")
     ap.add_argument("--gather", default="tma,lines",
                     help="direct-mode gathers to time (MOK_MEGAKERNEL_GATHER; "
-                         "'+prefetch': MOK_MEGAKERNEL_PREFETCH=1; '+inplace': no slots)")
+                         "'+inplace': no slots)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--mover-warps", default="1",
                     help="row movers per comm CTA to time (MOK_MOVER_WARPS: 1, 2, 4)")
@@ -107,12 +107,11 @@ def main(argv=None) -> int:
         best = None
         for mb in [int(v) for v in args.minibatch.split(",")]:
             for gather in args.gather.split(","):  # env read per launch
-                # "lines+prefetch": L2 prefetch of the rows; "+inplace": no scatter into the
-                # slots (y rows only, for ops.combine_rows).
-                mode, *options = gather.split("+")
+                # "lines+inplace": no scatter into the slots (y rows only, for
+                # ops.combine_rows).
+                mode, _, option = gather.partition("+")
                 os.environ["MOK_MEGAKERNEL_GATHER"] = mode
-                os.environ["MOK_MEGAKERNEL_PREFETCH"] = "1" if "prefetch" in options else "0"
-                scatter = "inplace" not in options
+                scatter = option != "inplace"
 
                 def direct(_):
                     return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
@@ -128,7 +127,6 @@ def main(argv=None) -> int:
                 if best is None or rec["ms"] < best["ms"]:
                     best = rec
             os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
-            os.environ.pop("MOK_MEGAKERNEL_PREFETCH", None)
         comm_points = [(mb, comm, warps) for mb in [int(v) for v in args.minibatch.split(",")]
                        for comm in [int(v) for v in args.comm_sms.split(",") if v]
                        for warps in [int(v) for v in args.mover_warps.split(",")]]

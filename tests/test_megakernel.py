@@ -49,6 +49,15 @@ def _poison(ws, hidden, inter):
     del junk
 
 
+def _training_step(inputs, dy):
+    """y and the gradients of x, topk_w, w1, w2 and shared_w1 of one forward + backward."""
+    leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
+              for k, v in inputs.items()}
+    y = mok.fused_moe(**leaves, config=KERNEL)
+    y.backward(dy)
+    return [y.detach()] + [leaves[k].grad for k in ("x", "topk_w", "w1", "w2", "shared_w1")]
+
+
 def _forward(inputs, ws, sched, config=KERNEL):
     y, ctx = mok.forward(config, ws, sched, inputs["x"], inputs["topk_w"], inputs["w1"],
                          inputs["w2"], inputs.get("shared_w1"), inputs.get("shared_w2"))
@@ -98,16 +107,9 @@ def test_training_step_bit_equal_to_the_launch_chain(monkeypatch):
                              topk=4, shared_inter=256, seed=9, drop_fraction=0.05, device="cuda")
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
 
-    def step():
-        leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
-                  for k, v in inputs.items()}
-        y = mok.fused_moe(**leaves, config=KERNEL)
-        y.backward(dy)
-        return [y.detach()] + [leaves[k].grad for k in ("x", "topk_w", "w1", "w2", "shared_w1")]
-
-    fused = step()
+    fused = _training_step(inputs, dy)
     monkeypatch.setenv("MOK_FORWARD", "launches")
-    chain = step()
+    chain = _training_step(inputs, dy)
     for a, b in zip(fused, chain):
         assert torch.equal(a, b)
 
@@ -121,15 +123,8 @@ def test_rows_combine_bit_equal_to_slots(path, monkeypatch):
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     monkeypatch.setenv("MOK_FORWARD", path)
 
-    def step():
-        leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
-                  for k, v in inputs.items()}
-        y = mok.fused_moe(**leaves, config=KERNEL)
-        y.backward(dy)
-        return [y.detach()] + [leaves[k].grad for k in ("x", "topk_w", "w1", "w2", "shared_w1")]
-
     monkeypatch.setenv("MOK_EP1_COMBINE", "slots")
-    slots = step()
+    slots = _training_step(inputs, dy)
     with torch.no_grad():
         y_slots = mok.fused_moe(**inputs, config=KERNEL)
     # Spies: the rows path must run (two combines per step, no scatter in the megakernel),
@@ -151,7 +146,7 @@ def test_rows_combine_bit_equal_to_slots(path, monkeypatch):
     ws = mok.get_workspace(KERNEL, None, device="cuda", num_local_tokens=640, hidden_size=1024,
                            topk=4, num_local_experts=8)
     _poison(ws, 1024, 512)
-    rows = step()
+    rows = _training_step(inputs, dy)
     for a, b in zip(rows, slots):
         assert torch.equal(a, b)
     _poison(ws, 1024, 512)

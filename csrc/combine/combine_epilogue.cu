@@ -28,10 +28,37 @@ __device__ inline T from_float(float v) { return static_cast<T>(v); }
 template <>
 __device__ inline __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 
+// Where route (t, k)'s row is, or nullptr if the route is not routed.
+// Slots: pushed into slot (t, k) of [T, K, H]; skipped where topk_idx < 0.
 template <typename T, typename Idx>
-__global__ void combine_epilogue_kernel(const T* __restrict__ slots, const Idx* __restrict__ idx,
-                                        const float* __restrict__ w, const T* __restrict__ shared,
-                                        T* __restrict__ out, int64_t T_, int K, int64_t H) {
+struct SlotRows {
+  const T* slots;
+  const Idx* idx;
+  int K;
+  int64_t H;
+  __device__ const T* operator()(int64_t t, int k) const {
+    return idx[t * K + k] < 0 ? nullptr : slots + (t * K + k) * H;
+  }
+};
+
+// In place (EP = 1): row route_row[t, k] of the expert output rows, -1 if not routed, so no
+// push copies them into slots first. Same values in the same order: bit-equal to slots.
+template <typename T>
+struct RoutedRows {
+  const T* rows;
+  const int* route_row;
+  int K;
+  int64_t H;
+  __device__ const T* operator()(int64_t t, int k) const {
+    const int64_t r = route_row[t * K + k];
+    return r < 0 ? nullptr : rows + r * H;
+  }
+};
+
+template <typename T, class RowOf>
+__global__ void combine_kernel(RowOf row_of, const float* __restrict__ w,
+                               const T* __restrict__ shared, T* __restrict__ out, int64_t T_,
+                               int K, int64_t H) {
   const int64_t vecs_per_row = H / kVec;
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < T_ * vecs_per_row;
        v += int64_t(gridDim.x) * blockDim.x) {
@@ -40,42 +67,14 @@ __global__ void combine_epilogue_kernel(const T* __restrict__ slots, const Idx* 
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[i] = shared ? to_float(shared[t * H + h0 + i]) : 0.f;
     for (int k = 0; k < K; ++k) {
-      if (idx[t * K + k] < 0) continue;
+      const T* row = row_of(t, k);
+      if (row == nullptr) continue;
       const float wk = w[t * K + k];
-      const T* row = slots + (t * K + k) * H + h0;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] += wk * to_float(row[i]);
+      for (int i = 0; i < kVec; ++i) acc[i] += wk * to_float(row[h0 + i]);
     }
 #pragma unroll
     for (int i = 0; i < kVec; ++i) out[t * H + h0 + i] = from_float<T>(acc[i]);
-  }
-}
-
-// The same sum with the routes' rows read in place from the expert output rows (EP = 1:
-// route (t, k) is row route_row[t, k] of y_rows, -1 if not routed), so no push copies them
-// into (t, k) slots first. Same values in the same order: bit-equal to the slots path.
-__global__ void combine_rows_kernel(const __nv_bfloat16* __restrict__ rows,
-                                    const int* __restrict__ route_row,
-                                    const float* __restrict__ w,
-                                    const __nv_bfloat16* __restrict__ shared,
-                                    __nv_bfloat16* __restrict__ out, int64_t T_, int K, int64_t H) {
-  const int64_t vecs_per_row = H / kVec;
-  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < T_ * vecs_per_row;
-       v += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = v / vecs_per_row, h0 = (v % vecs_per_row) * kVec;
-    float acc[kVec];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] = shared ? to_float(shared[t * H + h0 + i]) : 0.f;
-    for (int k = 0; k < K; ++k) {
-      const int64_t r = route_row[t * K + k];
-      if (r < 0) continue;
-      const float wk = w[t * K + k];
-      const __nv_bfloat16* row = rows + r * H + h0;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] += wk * to_float(row[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) out[t * H + h0 + i] = from_float<__nv_bfloat16>(acc[i]);
   }
 }
 
@@ -111,11 +110,13 @@ at::Tensor combine_rows_cuda(const at::Tensor& rows, const at::Tensor& route_row
   constexpr int kThreads = 256;
   const int blocks = grid_for(T_ * (H / kVec), kThreads);
   if (blocks == 0) return out;
-  combine_rows_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(rows.data_ptr()), route_row.data_ptr<int>(),
-      topk_w.data_ptr<float>(),
-      shared.has_value() ? reinterpret_cast<const __nv_bfloat16*>(shared->data_ptr()) : nullptr,
-      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), T_, K, H);
+  using Bf16 = __nv_bfloat16;
+  const RoutedRows<Bf16> row_of{reinterpret_cast<const Bf16*>(rows.data_ptr()),
+                                route_row.data_ptr<int>(), K, H};
+  combine_kernel<Bf16><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      row_of, topk_w.data_ptr<float>(),
+      shared.has_value() ? reinterpret_cast<const Bf16*>(shared->data_ptr()) : nullptr,
+      reinterpret_cast<Bf16*>(out.data_ptr()), T_, K, H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -126,13 +127,12 @@ void launch(const at::Tensor& slots, const at::Tensor& idx, const at::Tensor& w,
   const int64_t T_ = slots.size(0), H = slots.size(2);
   const int K = static_cast<int>(slots.size(1));
   constexpr int kThreads = 256;
-  const int64_t work = T_ * (H / kVec);
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int blocks = static_cast<int>(std::min<int64_t>(cute::ceil_div(work, int64_t(kThreads)),
-                                                        int64_t(sms) * 8));
+  const int blocks = grid_for(T_ * (H / kVec), kThreads);
   if (blocks == 0) return;
-  combine_epilogue_kernel<T, Idx><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const T*>(slots.data_ptr()), idx.data_ptr<Idx>(), w.data_ptr<float>(),
+  const SlotRows<T, Idx> row_of{reinterpret_cast<const T*>(slots.data_ptr()), idx.data_ptr<Idx>(),
+                                K, H};
+  combine_kernel<T><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      row_of, w.data_ptr<float>(),
       shared.has_value() ? reinterpret_cast<const T*>(shared->data_ptr()) : nullptr,
       reinterpret_cast<T*>(out.data_ptr()), T_, K, H);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

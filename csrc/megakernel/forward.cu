@@ -161,9 +161,6 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   }
   p.direct = direct;
   p.gather = gather_mode();
-  // MOK_MEGAKERNEL_PREFETCH=1: bulk-prefetch each fc1 task's whole rows of x into L2 first.
-  const char* prefetch = std::getenv("MOK_MEGAKERNEL_PREFETCH");
-  p.prefetch_rows = prefetch != nullptr && std::string(prefetch) == "1";
   if (direct && p.gather == megakernel::kGatherTma && x_local->size(0) > 0) {
     p.num_tokens = int(x_local->size(0));
     p.x_row_map = row_map(*x_local);

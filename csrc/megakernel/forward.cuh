@@ -86,7 +86,6 @@ struct ForwardParams {
   // x_local itself and fc2's epilogue scatters finished rows straight into the slots.
   bool direct;
   int gather;                // direct mode: kGatherTma, kGatherLines or kGatherRows
-  bool prefetch_rows;        // direct mode, cp.async gathers: prefetch each task's rows to L2
   int num_tokens;            // rows of x_local
   // kGatherTma: x_local as a [num_tokens, H] bf16 tensor map with 1 x 64 boxes, 128B swizzle.
   cute::TmaDescriptor x_row_map;  // (CUtensorMap carries its own alignment)
@@ -337,6 +336,27 @@ __device__ __forceinline__ void signal_gathered(uint64_t& full) {
   cutlass::arch::ClusterBarrier::arrive(&full);
 }
 
+// Direct mode, producer thread 0: the TMA loads of w1's gate and up boxes of K step k into
+// `stage` (the caller has set the full barrier's expected bytes).
+template <class Cfg, class Storage, class TmaB>
+__device__ __forceinline__ void load_w1_boxes(Storage& smem, const ForwardParams& p,
+                                              const TmaB& tma_w1, const gemm::Task& task, int k,
+                                              int stage) {
+  using namespace cute;
+  constexpr int BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
+  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
+  Tensor mB = tma_w1.get_tma_tensor(
+      make_shape(p.fc1_shapes.b_n, p.fc1_shapes.b_k, p.fc1_shapes.b_q));
+  CUTE_UNROLL
+  for (int h = 0; h < kSplit; ++h) {
+    Tensor gB = local_tile(mB(_, _, task.expert * kSplit + h), Shape<Int<BNh>, Int<BK>>{},
+                           make_coord(task.n_tile, _));
+    auto [tBgB, tBsB] = tma_partition(tma_w1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
+                                      group_modes<0, 2>(gB));
+    copy(tma_w1.with(smem.full[stage]), tBgB(_, k), tBsB(_, stage * kSplit + h));
+  }
+}
+
 // Direct mode, producer warpgroup, kGatherTma: thread r loads row r of every K step as one
 // 1 x 64 TMA box (x_row_map) into its 128-byte line of the stage. TMA applies the 128B
 // swizzle from the shared-memory address bits, so a row placed at line r of the
@@ -355,9 +375,6 @@ __device__ __forceinline__ void gather_fc1_task_tma(Storage& smem, const Forward
   static_assert(BM == 128 && BK * 2 == 128, "one 128-byte line per row and K step");
   const int64_t j = int64_t(task.m_tile) * BM + ptid;
   const int row = __ldg(p.peer_rank + j) >= 0 ? __ldg(p.peer_token + j) : p.num_tokens;
-  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
-  Tensor mB = tma_w1.get_tma_tensor(
-      make_shape(p.fc1_shapes.b_n, p.fc1_shapes.b_k, p.fc1_shapes.b_q));
   const uint32_t line0 =
       static_cast<uint32_t>(__cvta_generic_to_shared(smem.a)) + uint32_t(ptid) * 128;
   for (int k = task.k_begin; k < task.k_end; ++k) {
@@ -365,14 +382,7 @@ __device__ __forceinline__ void gather_fc1_task_tma(Storage& smem, const Forward
     const uint32_t full = static_cast<uint32_t>(__cvta_generic_to_shared(&smem.full[ring.stage]));
     if (ptid == 0) {
       FullBar::arrive_and_expect_tx(&smem.full[ring.stage], (BNh * kSplit + BM) * BK * 2);
-      CUTE_UNROLL
-      for (int h = 0; h < kSplit; ++h) {
-        Tensor gB = local_tile(mB(_, _, task.expert * kSplit + h), Shape<Int<BNh>, Int<BK>>{},
-                               make_coord(task.n_tile, _));
-        auto [tBgB, tBsB] = tma_partition(tma_w1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
-                                          group_modes<0, 2>(gB));
-        copy(tma_w1.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
-      }
+      load_w1_boxes<Cfg>(smem, p, tma_w1, task, k, ring.stage);
     }
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -409,31 +419,15 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   const int64_t row_bytes = int64_t(p.row_vecs) * 16;
   {
     const int64_t j = int64_t(task.m_tile) * BM + ptid;
-    const int token = __ldg(p.peer_rank + j) >= 0 ? __ldg(p.peer_token + j) : -1;
-    smem.gather_token[ptid] = token;
-    // prefetch_rows: the row's K steps arrive from L2 instead of scattered DRAM reads.
-    if (p.prefetch_rows && token >= 0) {
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                   ::"l"(x + token * row_bytes), "r"(uint32_t(row_bytes)) : "memory");
-    }
+    smem.gather_token[ptid] = __ldg(p.peer_rank + j) >= 0 ? __ldg(p.peer_token + j) : -1;
   }
   asm volatile("bar.sync 3, 128;" ::: "memory");
-  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
-  Tensor mB = tma_w1.get_tma_tensor(
-      make_shape(p.fc1_shapes.b_n, p.fc1_shapes.b_k, p.fc1_shapes.b_q));
   const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem.a));
   for (int k = task.k_begin; k < task.k_end; ++k) {
     EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
     if (ptid == 0) {
       FullBar::expect_transaction(&smem.full[ring.stage], BNh * kSplit * BK * 2);
-      CUTE_UNROLL
-      for (int h = 0; h < kSplit; ++h) {
-        Tensor gB = local_tile(mB(_, _, task.expert * kSplit + h), Shape<Int<BNh>, Int<BK>>{},
-                               make_coord(task.n_tile, _));
-        auto [tBgB, tBsB] = tma_partition(tma_w1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
-                                          group_modes<0, 2>(gB));
-        copy(tma_w1.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
-      }
+      load_w1_boxes<Cfg>(smem, p, tma_w1, task, k, ring.stage);
     }
     const uint32_t stage = stage0 + ring.stage * (BM * BK * 2);
 #pragma unroll 2  // more unrolling spills the producer's 56 registers
