@@ -20,6 +20,10 @@ if [ "$part" != bench ]; then
   grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_megakernel.log" | head -20
   timeout 90 $PY -m pytest -q -ra tests/test_megakernel.py -k "ring" > "$OUT/test_ring.log" 2>&1
   grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" "$OUT/test_ring.log" | head -10
+  # The combine kernels (merged at 8b6a407) on the default path: extension + v1 suite.
+  timeout 200 $PY -m pytest -q -ra -m gpu tests/test_extension.py tests/test_gpu_backend.py \
+    > "$OUT/test_v1.log" 2>&1
+  grep -E "^FAILED|passed|failed" "$OUT/test_v1.log" | head -5
   # EP = 2/4/8 as processes on one GPU, forward on the comm-mode megakernel with 4 mover warps.
   MOK_FORWARD=megakernel MOK_MOVER_WARPS=4 timeout 150 $PY -m pytest -q -ra -m gpu \
     tests/test_gpu_backend.py -k ep_ranks > "$OUT/test_ep_movers.log" 2>&1
