@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                          "'+inplace': no slots)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--mover-warps", default="1",
-                    help="row movers per comm CTA to time (MOK_MOVER_WARPS: 1, 2, 4)")
+                    help="row movers per comm CTA to time (MOK_MOVER_WARPS: 1, 2, 4, 8)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))

@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="balanced", choices=S.ROUTINGS)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
+    args.warmup, args.iters, args.seed = 1, 1, 0  # recorded by run_metadata; one probed run per mode
     modes = [parse_mode(m) for m in args.modes.split(",")]
     device = torch.device("cuda")
     meta = run_metadata(device, args)

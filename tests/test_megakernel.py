@@ -77,7 +77,7 @@ def test_megakernel_is_selected_by_the_env(monkeypatch):
 @pytest.mark.parametrize("path, gather, mover_warps", [
     ("megakernel", "tma", 1), ("megakernel", "lines", 1), ("megakernel", "rows", 1),
     ("megakernel-comm", "lines", 1), ("megakernel-comm", "lines", 2),
-    ("megakernel-comm", "lines", 4)])
+    ("megakernel-comm", "lines", 4), ("megakernel-comm", "lines", 8)])
 @pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10),
                                    (1032, 520, 8, 4)])  # H, I not multiples of 64
 def test_bit_equal_to_the_launch_chain(shape, path, gather, mover_warps, monkeypatch):
@@ -257,9 +257,10 @@ def test_cycle_probes_count_every_task_and_change_no_bit(direct):
     probe = megakernel.new_probe(x.device)
     probed = megakernel.moe_forward(ws, sched, x, w1, w2, probe=probe, **kwargs)[1:]
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(plain, probed))
+    num_rows = int(sched.num_rows.item())  # rows past it are capacity padding, never written
+    assert all(torch.equal(a[:num_rows], b[:num_rows]) for a, b in zip(plain, probed))
     summary = megakernel.probe_summary(probe)
-    row_tiles = -(-int(sched.num_rows.item()) // 128)
+    row_tiles = -(-num_rows // 128)
     inter, hidden = w2.shape[2], w2.shape[1]
     assert summary["fc1"]["tasks"] == row_tiles * -(-inter // 128)  # fc1: 128 act columns
     assert summary["fc2"]["tasks"] == row_tiles * -(-hidden // 256)

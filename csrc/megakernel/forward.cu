@@ -40,13 +40,13 @@ int gather_mode() {
   return megakernel::kGatherRows;
 }
 
-// MOK_MOVER_WARPS = 1 (default) | 2 | 4: row movers (warps) per comm CTA (A/B
+// MOK_MOVER_WARPS = 1 (default) | 2 | 4 | 8: row movers (warps) per comm CTA (A/B
 // measurements, docs/perf-notes.md megakernel v10).
 int mover_warps() {
   const char* env = std::getenv("MOK_MOVER_WARPS");
   const std::string value = env == nullptr ? "1" : env;
-  TORCH_CHECK(value == "1" || value == "2" || value == "4",
-              "megatron_mok: MOK_MOVER_WARPS must be 1, 2 or 4, got ", value);
+  TORCH_CHECK(value == "1" || value == "2" || value == "4" || value == "8",
+              "megatron_mok: MOK_MOVER_WARPS must be 1, 2, 4 or 8, got ", value);
   return std::stoi(value);
 }
 
@@ -118,7 +118,9 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
               "megatron_mok: the forward megakernel needs 1 to ", sms - 1,
               " comm SMs (0 in direct mode), got ", num_comm);
   TORCH_CHECK(direct || scatter, "megatron_mok: only the direct megakernel can skip the slots");
-  const int warps = direct ? 1 : mover_warps();
+  // MOK_MOVER_WARPS is an upper bound: rows too long for that many movers' slots get fewer.
+  int warps = direct ? 1 : mover_warps();
+  while (warps > 1 && megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps) == 0) warps /= 2;
   const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps);
   TORCH_CHECK(direct || lag >= 1, "megatron_mok: the forward megakernel's ", warps,
               " row movers cannot hold rows of H = ", H, " bf16 in shared memory");

@@ -22,13 +22,17 @@
 
 namespace megatron_mok::megakernel {
 
-constexpr int kMoverHeaderBytes = 1024;  // mbarriers (32 per warp, 4 warps), then the slots
-constexpr int kMaxMoverWarps = 4;
+constexpr int kMaxMoverWarps = 8;
+// The mbarriers (up to 32 per warp) come first, then the slots: 1 KB for up to 4 warps (as
+// before 8 were allowed, so their lags are unchanged), 2 KB for 8.
+__host__ __device__ constexpr int mover_header_bytes(int warps) {
+  return warps <= 4 ? 1024 : 2048;
+}
 // Rows in flight each way per warp: as many as shared memory holds (warps x 2 lag slots +
 // one zero row); the lags compiled are 16, 12, 6, 4, 2 and 1.
 
 __host__ __device__ constexpr int mover_smem_bytes(int lag, int row_bytes, int warps = 1) {
-  return kMoverHeaderBytes + (warps * 2 * lag + 1) * row_bytes;
+  return mover_header_bytes(warps) + (warps * 2 * lag + 1) * row_bytes;
 }
 
 // The largest lag whose slots fit in smem_bytes, or 0 if none does.
@@ -65,8 +69,9 @@ struct RowMover {
   // All threads of the CTA: the barriers and slots of mover `warp` of `warps`, and the
   // zero row after every mover's slots. Ends with __syncthreads().
   __device__ static RowMover setup(unsigned char* smem, int row_bytes, int warp, int warps) {
-    static_assert(kMoverSlots * kMaxMoverWarps * 8 <= kMoverHeaderBytes, "mbarriers fit");
-    char* slots0 = reinterpret_cast<char*>(smem) + kMoverHeaderBytes;
+    static_assert(kMoverSlots * kMaxMoverWarps * 8 <= mover_header_bytes(kMaxMoverWarps),
+                  "mbarriers fit");
+    char* slots0 = reinterpret_cast<char*>(smem) + mover_header_bytes(warps);
     RowMover m{reinterpret_cast<uint64_t*>(smem) + warp * kMoverSlots,
                slots0 + int64_t(warp) * kMoverSlots * row_bytes, row_bytes, 0u, 0,
                slots0 + int64_t(warps) * kMoverSlots * row_bytes};
