@@ -76,7 +76,6 @@ def test_megakernel_is_selected_by_the_env(monkeypatch):
 
 @pytest.mark.parametrize("path, gather, mover_warps", [
     ("megakernel", "tma", 1), ("megakernel", "lines", 1), ("megakernel", "rows", 1),
-    ("megakernel", "lines-mbar", 1),
     ("megakernel-comm", "lines", 1), ("megakernel-comm", "lines", 2),
     ("megakernel-comm", "lines", 4), ("megakernel-comm", "lines", 8)])
 @pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10),

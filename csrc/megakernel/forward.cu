@@ -34,9 +34,8 @@ int gather_mode() {
   const std::string mode = env == nullptr ? "lines" : env;
   if (mode == "lines") return megakernel::kGatherLines;
   if (mode == "tma") return megakernel::kGatherTma;
-  if (mode == "lines-mbar") return megakernel::kGatherLinesMbar;
   TORCH_CHECK(mode == "rows",
-              "megatron_mok: MOK_MEGAKERNEL_GATHER must be lines, lines-mbar, tma or rows, got ",
+              "megatron_mok: MOK_MEGAKERNEL_GATHER must be lines, tma or rows, got ",
               mode);
   return megakernel::kGatherRows;
 }

@@ -44,7 +44,7 @@ __host__ __device__ inline int forward_counters_size(int m_tiles) {
 
 // Direct mode's fc1 gather (MOK_MEGAKERNEL_GATHER): one TMA box per row and K step; or
 // 16-byte cp.async, each warp instruction reading four whole 128-byte lines or 32 rows.
-enum GatherMode : int { kGatherTma = 0, kGatherLines = 1, kGatherRows = 2, kGatherLinesMbar = 3 };
+enum GatherMode : int { kGatherTma = 0, kGatherLines = 1, kGatherRows = 2 };
 
 // Cycle probes (benchmarks/probe_megakernel.py): SM clock cycles summed per CTA by the first
 // consumer warpgroup's thread 0 (mainloop: from the task's arrival in the queue until its
@@ -409,11 +409,7 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
   static_assert(kGatherLag <= Cfg::Stages - 2,
                 "a stage is signalled before the producer needs it again");
   const int lane = ptid & 31, warp = ptid >> 5;
-  const bool lines = p.gather == kGatherLines || p.gather == kGatherLinesMbar;
-  // kGatherLinesMbar (experiment): each thread's copies of a stage arrive on its full barrier
-  // when they land (cp.async.mbarrier.arrive.noinc), as CUTLASS's sm90 cp.async GMMA
-  // mainloops do: no wait, no lag, no proxy fence.
-  const bool mbar = p.gather == kGatherLinesMbar;
+  const bool lines = p.gather == kGatherLines;
   auto row_of = [&](int i) { return lines ? 16 * i + 4 * warp + (lane >> 3) : ptid; };
   auto chunk_of = [&](int i) { return lines ? (lane & 7) : i; };
   // Source token of every row of the tile (-1: padding), in shared memory: the producer's
@@ -445,13 +441,6 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
                    ::"r"(stage + r * 128 + ((c ^ (r & 7)) << 4)), "l"(src), "r"(in ? 16u : 0u)
                    : "memory");
     }
-    if (mbar) {
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
-                   ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(&smem.full[ring.stage])))
-                   : "memory");
-      ring.advance<Cfg::Stages>();
-      continue;
-    }
     asm volatile("cp.async.commit_group;" ::: "memory");
     if (k - task.k_begin >= kGatherLag) {
       asm volatile("cp.async.wait_group %0;" ::"n"(kGatherLag) : "memory");
@@ -459,7 +448,6 @@ __device__ __forceinline__ void gather_fc1_task(Storage& smem, const ForwardPara
     }
     ring.advance<Cfg::Stages>();
   }
-  if (mbar) return;
   // The task's last stages (up to kGatherLag): all its copies, then their arrivals in order.
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   const int tail = min(kGatherLag, task.k_end - task.k_begin);
