@@ -55,9 +55,11 @@ def test_route_rows_inverts_the_row_table():
         assert table[int(flat[j]) // K, int(flat[j]) % K] == j
 
 
-def test_rows_combine_is_opt_in_and_ep1_only(monkeypatch):
+def test_rows_combine_is_the_ep1_default(monkeypatch):
     ep1, ep2 = types.SimpleNamespace(ep_size=1), types.SimpleNamespace(ep_size=2)
     monkeypatch.delenv("MOK_EP1_COMBINE", raising=False)
+    assert kernel_backend.rows_combine(ep1) and not kernel_backend.rows_combine(ep2)
+    monkeypatch.setenv("MOK_EP1_COMBINE", "slots")
     assert not kernel_backend.rows_combine(ep1)
     monkeypatch.setenv("MOK_EP1_COMBINE", "rows")
     assert kernel_backend.rows_combine(ep1) and not kernel_backend.rows_combine(ep2)

@@ -40,11 +40,12 @@ int gather_mode() {
   return megakernel::kGatherRows;
 }
 
-// MOK_MOVER_WARPS = 1 (default) | 2 | 4 | 8: row movers (warps) per comm CTA (A/B
-// measurements, docs/perf-notes.md megakernel v10).
+// MOK_MOVER_WARPS = 1 | 2 | 4 | 8 (default): row movers (warps) per comm CTA. The rate
+// scales ~2x per doubling up to 4 and a further 0-25 % at 8 (docs/perf-notes.md,
+// megakernel v10-v11).
 int mover_warps() {
   const char* env = std::getenv("MOK_MOVER_WARPS");
-  const std::string value = env == nullptr ? "1" : env;
+  const std::string value = env == nullptr ? "8" : env;
   TORCH_CHECK(value == "1" || value == "2" || value == "4" || value == "8",
               "megatron_mok: MOK_MOVER_WARPS must be 1, 2, 4 or 8, got ", value);
   return std::stoi(value);
