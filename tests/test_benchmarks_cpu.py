@@ -467,3 +467,16 @@ def test_layer_ep_harness_on_two_gloo_ranks(tmp_path):
     except Exception:  # skipped backends get no column
         assert "megatron-flex" not in ep_table
     assert all({"torch-a2a", "megatron-alltoall"} <= set(r["speedup"]) for r in mok)
+
+
+def test_breakdown_categories_name_our_kernels_and_torch_gemms():
+    from benchmarks import breakdown
+    assert breakdown.category("void megatron_mok::moe_forward_kernel<...>") == "megakernel"
+    assert breakdown.category("void megatron_mok::gemm::grouped_gemm_kernel<Cfg>") == \
+        "expert gemm (core)"
+    assert breakdown.category("pull_rows_kernel") == "row moves"
+    assert breakdown.category("void combine_kernel<RoutedRows>") == "combine"
+    assert breakdown.category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") \
+        == "torch gemm"
+    assert breakdown.category("void at::native::index_put_kernel") == "schedule / index"
+    assert breakdown.category("void at::native::vectorized_elementwise_kernel") == "other"

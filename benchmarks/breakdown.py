@@ -1,0 +1,152 @@
+"""Where the `mok` layer's time goes at EP = 1: GPU kernel time per category, per pass.
+
+    python -m benchmarks.breakdown [--shapes a,b] [--tokens 8192] [--iters 5] [--out DIR]
+
+For each shape (ep8-proxy, balanced routing) the layer's forward (autograd on) and its
+backward run `iters` times under torch.profiler; every CUDA kernel is put in a category
+(expert GEMMs of the core, the forward megakernel, row moves, combines, the shared
+expert's torch GEMMs, the schedule and other small ops) and its time summed per pass.
+The pass's wall time (CUDA events, the same iterations) minus the summed kernel time is
+the GPU left idle between launches. The non-GEMM share is the most that fusing a pass
+into one launch can win at EP = 1 (docs/megakernel.md, "Plan for the backward
+megakernel": measure first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks import layer as L
+from benchmarks import shapes as S
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (category, substrings of the kernel name), first match wins; "other" catches the rest.
+CATEGORIES = (
+    ("megakernel", ("moe_forward_kernel", "megakernel")),
+    ("expert gemm (core)", ("grouped_gemm_kernel",)),
+    ("row moves", ("pull_rows", "push_rows", "gather_from_peers")),
+    ("combine", ("combine",)),
+    ("ep barrier", ("ep_barrier",)),
+    ("torch gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+    ("schedule / index", ("index", "scatter", "sort", "cumsum", "histc", "bincount",
+                          "radix", "arange", "nonzero")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def kernel_times(prof) -> dict:
+    """{category: ms} and {kernel name: ms} of the CUDA kernels in a profile."""
+    by_cat, by_name = defaultdict(float), defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = evt.device_time / 1e3  # us -> ms
+        by_cat[category(evt.name)] += ms
+        by_name[evt.name] += ms
+    return dict(by_cat), dict(by_name)
+
+
+def profile_pass(run, iters: int) -> dict:
+    """Wall time (CUDA events) and kernel time per category of `run` per iteration."""
+    run()  # warm-up (workspace, autotune cache, lazy init)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(iters):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / iters
+    by_cat, by_name = kernel_times(prof)
+    by_cat = {k: v / iters for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    busy = sum(by_cat.values())
+    return {"wall_ms": wall, "kernel_ms": busy, "idle_ms": max(wall - busy, 0.0),
+            "by_category_ms": by_cat, "top_kernels_ms": {k: v / iters for k, v in top}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(S.SHAPES))
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--routing", default="balanced", choices=S.ROUTINGS)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    args.warmup = 1
+    if not torch.cuda.is_available():
+        print("benchmarks.breakdown needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    meta = L.run_metadata(device, args)
+    records = []
+    for name in args.shapes.split(","):
+        local = S.ep8_proxy(S.get_shape(name))
+        weights = L.make_weights(local, device, seed=args.seed)
+        case = L.make_case(local, args.tokens, args.routing, device, seed=args.seed)
+        backend = L.MokBackend(weights, device)
+        inp = backend.prepare(case)
+
+        def forward():
+            with torch.enable_grad():
+                return backend.run(inp)
+
+        fwd = profile_pass(forward, args.iters)
+        ys = []
+
+        def backward():
+            for t in backend.leaves(inp):  # no gradient-accumulation kernels
+                t.grad = None
+            if not ys:
+                ys.append(forward())
+            torch.autograd.backward(ys.pop(), case.dy)
+
+        # The backward's forward runs inside the profiled loop too; it is timed on its own
+        # above and subtracted here.
+        both = profile_pass(backward, args.iters)
+        bwd = {"wall_ms": both["wall_ms"] - fwd["wall_ms"],
+               "kernel_ms": both["kernel_ms"] - fwd["kernel_ms"],
+               "by_category_ms": {k: v - fwd["by_category_ms"].get(k, 0.0)
+                                  for k, v in both["by_category_ms"].items()},
+               "fwd_plus_bwd": both}
+        bwd["idle_ms"] = max(bwd["wall_ms"] - bwd["kernel_ms"], 0.0)
+        for pass_name, rec in (("fwd", fwd), ("bwd", bwd)):
+            gemm = sum(v for k, v in rec["by_category_ms"].items()
+                       if k in ("megakernel", "expert gemm (core)", "torch gemm"))
+            rec["non_gemm_share"] = 1.0 - gemm / rec["wall_ms"] if rec["wall_ms"] else 0.0
+            cats = ", ".join(f"{k} {v:.3f}" for k, v in rec["by_category_ms"].items()
+                             if v > 0.005)
+            print(f"{name:14s} {pass_name}  wall {rec['wall_ms']:7.3f} ms  kernels "
+                  f"{rec['kernel_ms']:7.3f}  idle {rec['idle_ms']:6.3f}  non-GEMM "
+                  f"{rec['non_gemm_share']:5.1%}  | {cats}")
+        records.append({"shape": name, "tokens": args.tokens, "routing": args.routing,
+                        "info": backend.info, "fwd": fwd, "bwd": bwd})
+        backend.close()
+        del weights, case, inp, backend
+        torch.cuda.empty_cache()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{meta['date']}-{meta['gpu_short']}-layer-breakdown.json"
+    path.write_text(json.dumps({"meta": meta, "results": records}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
