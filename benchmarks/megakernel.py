@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mover-warps", default="1",
                     help="row movers per comm CTA to time (MOK_MOVER_WARPS: 1, 2, 4, 8)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--spread", type=int, default=1, help="time spread mode (1) or not (0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
@@ -127,6 +128,18 @@ def main(argv=None) -> int:
                 if best is None or rec["ms"] < best["ms"]:
                     best = rec
             os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
+        # Spread mode (no comm CTAs; every CTA's producer warps pull), y rows in place.
+        for mb in [int(v) for v in args.minibatch.split(",")] if args.spread else []:
+            def spread(_):
+                return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
+                                              num_comm_sms=0, minibatch_rows=mb,
+                                              direct=False, scatter=False)
+            same = bool(torch.equal(spread(None)[3][:rows], ref_y))
+            times = timer.measure(lambda: None, spread, args.warmup, args.iters)
+            rec = record("megakernel-spread", statistics.median(times), comm_sms=0,
+                         minibatch=mb, bit_equal=same)
+            if best is None or rec["ms"] < best["ms"]:
+                best = rec
         comm_points = [(mb, comm, warps) for mb in [int(v) for v in args.minibatch.split(",")]
                        for comm in [int(v) for v in args.comm_sms.split(",") if v]
                        for warps in [int(v) for v in args.mover_warps.split(",")]]

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 PLOTS_DIR = REPO / "benchmarks" / "plots"
 CHAIN = "launches-mok"
-SERIES = ("launches-torch", "megakernel-direct", "megakernel-comm")
+SERIES = ("launches-torch", "megakernel-direct", "megakernel-comm", "megakernel-spread")
 
 
 def latest(results_dir: Path = RESULTS_DIR) -> Path:

@@ -33,7 +33,7 @@ COMM_SMS = (4, 8, 16, 24)
 
 @dataclasses.dataclass(frozen=True)
 class ForwardPlan:
-    path: str             # "launches", "megakernel" or "megakernel-comm" (FORWARD_PATHS)
+    path: str             # "launches" or a megakernel path (megakernel.FORWARD_PATHS)
     num_comm_sms: int     # comm CTAs (comm mode only)
     minibatch_rows: int   # rows per readiness counter (megakernel only)
 
@@ -118,18 +118,24 @@ def candidates(ep_size: int, num_sms: int) -> list[ForwardPlan]:
     comm_path = "megakernel-comm" if ep_size == 1 else "megakernel"
     plans += [ForwardPlan(comm_path, c, mb) for c in COMM_SMS if c < num_sms
               for mb in MINIBATCHES[1:]]
+    plans += [ForwardPlan("megakernel-spread", 0, mb) for mb in MINIBATCHES[1:]]
     return plans
 
 
 def _run(plan: ForwardPlan, ws, sched, x, w1, w2):
+    """The expert pass of a plan as the forward runs it (pushes or in-place rows alike)."""
     from megatron_mok import kernel_backend
+    direct = plan.path == "megakernel" and ws.ep_size == 1
+    spread = plan.path == "megakernel-spread"
+    in_place = kernel_backend.rows_combine(ws) and (direct or spread or plan.path == "launches")
     if plan.path == "launches":
         ws.arena.view("x").copy_(x)
-        return kernel_backend._expert_launches(ws, sched, w1, w2, x.shape[1], False)
+        return kernel_backend._expert_launches(ws, sched, w1, w2, x.shape[1], False,
+                                               push=not in_place)
     return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
-                                  num_comm_sms=plan.num_comm_sms,
-                                  minibatch_rows=plan.minibatch_rows,
-                                  direct=plan.path == "megakernel" and ws.ep_size == 1)
+                                  num_comm_sms=0 if spread else plan.num_comm_sms,
+                                  minibatch_rows=plan.minibatch_rows, direct=direct,
+                                  scatter=not in_place)
 
 
 def tune(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,

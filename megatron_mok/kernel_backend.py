@@ -154,12 +154,15 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         shared_out, shared_leaves = _shared_forward(x, shared_w1, shared_w2, keep_ctx)
     arena.barrier()
     direct = fused and ws.ep_size == 1 and plan.path == "megakernel"
-    # In place: the combine reads the rows (chain, direct megakernel); comm CTAs push.
-    in_place = rows_combine(ws) and (direct or not fused)
+    spread = fused and plan.path == "megakernel-spread"
+    # In place: the combine reads the rows (chain, direct and spread megakernel); comm
+    # CTAs push.
+    in_place = rows_combine(ws) and (direct or spread or not fused)
     if fused:
         w1, w2 = w1.contiguous(), w2.contiguous()
         x_rows, act, h, y_rows = megakernel.moe_forward(
-            ws, sched, x, w1, w2, save_h=keep_ctx, num_comm_sms=plan.num_comm_sms,
+            ws, sched, x, w1, w2, save_h=keep_ctx,
+            num_comm_sms=0 if spread else plan.num_comm_sms,
             minibatch_rows=plan.minibatch_rows, direct=direct, scatter=not in_place)
     else:
         x_rows, act, h, y_rows = _expert_launches(ws, sched, w1, w2, hidden, keep_ctx,

@@ -23,8 +23,9 @@ from megatron_mok import grouped_gemm, ops
 from megatron_mok.config import TILE_M
 
 # megakernel: direct mode at EP = 1 (no comm CTAs: fc1 gathers its rows, fc2 scatters into
-# the slots), comm CTAs at EP > 1; megakernel-comm: comm CTAs at every EP (benchmarks).
-FORWARD_PATHS = ("megakernel", "megakernel-comm", "launches")
+# the slots), comm CTAs at EP > 1; megakernel-comm: comm CTAs at every EP (benchmarks);
+# megakernel-spread: no comm CTAs, the producer warps of every CTA pull the rows.
+FORWARD_PATHS = ("megakernel", "megakernel-comm", "megakernel-spread", "launches")
 # Comm CTAs stage rows in the shared memory of a GEMM CTA (csrc/megakernel/row_mover.cuh):
 # at H = 8192 (16 KB rows) 13 slots with one mover warp, 9 with four.
 MAX_HIDDEN = 8192
@@ -67,9 +68,12 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     the slots itself; x_rows is then None, and y_rows and h are only written with save_h
     (the backward's inputs). Otherwise comm CTAs pull the rows (from x at EP = 1, from the
     peers' published arena "x" at EP > 1) and push y rows; num_comm_sms of them.
+    num_comm_sms=0 without direct is spread mode: no comm CTAs; three producer warps of
+    every CTA pull the rows into x_rows (fc1 then loads them by TMA, as in comm mode) and
+    fc2's epilogue writes the slots (as in direct mode; y_rows only with save_h).
 
-    scatter=False (direct mode only): fc2 writes y_rows and no slots; the combine reads
-    the rows in place (ops.combine_rows).
+    scatter=False (direct and spread mode): fc2 writes y_rows and no slots; the combine
+    reads the rows in place (ops.combine_rows).
 
     ring_rows (comm mode only): pull into a ring of this many x rows (whole tiles, at least
     one minibatch), tile m into slot m mod ring tiles once fc1 has read the slot's previous
@@ -82,17 +86,19 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         direct = ws.ep_size == 1
     if direct and ws.ep_size != 1:
         raise ValueError("megatron_mok: the direct megakernel runs at EP = 1 only")
-    if not scatter and not direct:
-        raise ValueError("megatron_mok: only the direct megakernel can skip the slots")
-    if ring_rows is not None and (direct or ring_rows % TILE_M or ring_rows < minibatch_rows
-                                  or ring_rows > ws.capacity):
+    spread = not direct and num_comm_sms == 0
+    if not scatter and not (direct or spread):
+        raise ValueError("megatron_mok: only the direct and spread megakernels can skip the "
+                         "slots")
+    if ring_rows is not None and (direct or spread or ring_rows % TILE_M
+                                  or ring_rows < minibatch_rows or ring_rows > ws.capacity):
         raise ValueError(f"megatron_mok: an x_rows ring needs comm CTAs and whole tiles between "
                          f"the minibatch ({minibatch_rows}) and the capacity ({ws.capacity}), "
                          f"got {ring_rows} rows")
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    if not direct and not 1 <= num_comm_sms < num_sms:
-        raise ValueError(f"megatron_mok: the forward megakernel needs 1 to {num_sms - 1} comm "
-                         f"SMs on this GPU, got {num_comm_sms}")
+    if not direct and not 0 <= num_comm_sms < num_sms:
+        raise ValueError(f"megatron_mok: the forward megakernel needs 0 (spread mode) to "
+                         f"{num_sms - 1} comm SMs on this GPU, got {num_comm_sms}")
     if minibatch_rows < TILE_M or minibatch_rows % TILE_M:
         raise ValueError(f"megatron_mok: minibatch_rows must be a positive multiple of {TILE_M}, "
                          f"got {minibatch_rows}")
@@ -117,7 +123,8 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     if direct:
         return None, act, h, (y_rows if save_h or not scatter else None)
     ring = ring_rows is not None and ring_rows < rows
-    return (None if ring else x_rows), act, h, y_rows
+    return ((None if ring else x_rows), act, h,
+            (None if spread and scatter and not save_h else y_rows))
 
 
 # Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first

@@ -86,7 +86,11 @@ def test_candidates_per_ep_size():
     assert all(p.num_comm_sms == 0 for p in ep1 if p.path == "megakernel")
     ep8 = autotune.candidates(8, 132)
     assert not any(p.path == "megakernel" and p.num_comm_sms == 0 for p in ep8)  # no direct
-    assert all(0 < p.num_comm_sms < 20 for p in autotune.candidates(8, 20) if p.path != "launches")
+    assert all(0 < p.num_comm_sms < 20 for p in autotune.candidates(8, 20)
+               if p.path in ("megakernel", "megakernel-comm") and p.num_comm_sms)
+    for plans in (ep1, ep8):  # spread mode (no comm CTAs) at every EP
+        assert {p.num_comm_sms for p in plans if p.path == "megakernel-spread"} == {0}
+        assert any(p.path == "megakernel-spread" for p in plans)
 
 
 def test_config_flag_and_megatron_argument():

@@ -77,7 +77,8 @@ def test_megakernel_is_selected_by_the_env(monkeypatch):
 @pytest.mark.parametrize("path, gather, mover_warps", [
     ("megakernel", "tma", 1), ("megakernel", "lines", 1), ("megakernel", "rows", 1),
     ("megakernel-comm", "lines", 1), ("megakernel-comm", "lines", 2),
-    ("megakernel-comm", "lines", 4), ("megakernel-comm", "lines", 8)])
+    ("megakernel-comm", "lines", 4), ("megakernel-comm", "lines", 8),
+    ("megakernel-spread", "lines", 1)])
 @pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10),
                                    (1032, 520, 8, 4)])  # H, I not multiples of 64
 def test_bit_equal_to_the_launch_chain(shape, path, gather, mover_warps, monkeypatch):
@@ -114,7 +115,7 @@ def test_training_step_bit_equal_to_the_launch_chain(monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("path", ["launches", "megakernel"])
+@pytest.mark.parametrize("path", ["launches", "megakernel", "megakernel-spread"])
 def test_rows_combine_bit_equal_to_slots(path, monkeypatch):
     """MOK_EP1_COMBINE=rows (no pushes, combines read the rows in place): the same bits as
     the slots path in a training step, on the chain and on the direct megakernel."""
@@ -153,19 +154,20 @@ def test_rows_combine_bit_equal_to_slots(path, monkeypatch):
     with torch.no_grad():  # no saved context: y rows stored only because nothing scatters
         assert torch.equal(mok.fused_moe(**inputs, config=KERNEL), y_slots)
     assert calls["combine_rows"] == 3
-    assert calls["scatter"] == ([False, False] if path == "megakernel" else [])
+    assert calls["scatter"] == ([] if path == "launches" else [False, False])
     y_spec = mok.fused_moe(inputs["x"], inputs["topk_idx"], inputs["topk_w"], inputs["w1"],
                            inputs["w2"], inputs["shared_w1"], inputs["shared_w2"],
                            config=MoKConfig(backend="reference"))
     assert rel_l2(rows[0], y_spec) < 1e-2
 
 
-@pytest.mark.parametrize("num_comm", [2, 8, 24, 40])
+@pytest.mark.parametrize("num_comm", [0, 2, 8, 24, 40])  # 0: spread mode; 40: direct mode
 @pytest.mark.parametrize("minibatch", [256, 1024, 4096])
 def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch, monkeypatch):
     inputs, ws, sched = _layer(tokens=1500, seed=7, shared=512)
     y_base, _ = _forward(inputs, ws, sched, KERNEL)
-    monkeypatch.setenv("MOK_FORWARD", "megakernel-comm" if num_comm != 40 else "megakernel")
+    monkeypatch.setenv("MOK_FORWARD", {0: "megakernel-spread", 40: "megakernel"}.get(
+        num_comm, "megakernel-comm"))
     config = dataclasses.replace(KERNEL, fwd_num_comm_sms=num_comm, minibatch_size=minibatch,
                                  macrobatch_size=max(minibatch, KERNEL.macrobatch_size))
     y, _ = _forward(inputs, ws, sched, config)
@@ -284,7 +286,7 @@ ws = mok.get_workspace(cfg, None, device="cuda", num_local_tokens=512, hidden_si
                        num_local_experts=8)
 sched = mok.build_schedule(ws, cfg, inputs["topk_idx"])
 megakernel.moe_forward(ws, sched, inputs["x"], inputs["w1"], inputs["w2"], save_h=False,
-                       num_comm_sms=4, minibatch_rows=256, direct=False, hold_tile=1,
+                       num_comm_sms={num_comm}, minibatch_rows=256, direct=False, hold_tile=1,
                        timeout_ms=300)
 try:
     mok.synchronize(ws)
@@ -293,9 +295,9 @@ except RuntimeError as err:
 """
 
 
-@pytest.mark.parametrize("mover_warps", [1, 4])
-def test_watchdog_reports_a_tile_that_is_never_pulled(mover_warps):
-    script = _STUCK.format(tests=os.path.dirname(__file__))
+@pytest.mark.parametrize("num_comm, mover_warps", [(4, 1), (4, 4), (0, 1)])  # 0: spread mode
+def test_watchdog_reports_a_tile_that_is_never_pulled(num_comm, mover_warps):
+    script = _STUCK.format(tests=os.path.dirname(__file__), num_comm=num_comm)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "MOK_MOVER_WARPS": str(mover_warps)})
     assert "stuck in the forward megakernel" in done.stdout, done.stdout + done.stderr

@@ -115,15 +115,19 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   const int sms = num_sms(x_rows.get_device());
   TORCH_CHECK(!direct || x_local.has_value(),
               "megatron_mok: the direct megakernel (EP = 1) gathers from a local x");
-  TORCH_CHECK(direct ? num_comm == 0 : (num_comm >= 1 && num_comm < sms),
-              "megatron_mok: the forward megakernel needs 1 to ", sms - 1,
+  // Comm mode with 0 comm SMs is spread mode: every CTA's producer warps pull rows.
+  TORCH_CHECK(direct ? num_comm == 0 : (num_comm >= 0 && num_comm < sms),
+              "megatron_mok: the forward megakernel needs 0 to ", sms - 1,
               " comm SMs (0 in direct mode), got ", num_comm);
-  TORCH_CHECK(direct || scatter, "megatron_mok: only the direct megakernel can skip the slots");
+  const bool spread = !direct && num_comm == 0;
+  TORCH_CHECK(!spread || ring_rows == R, "megatron_mok: an x_rows ring needs comm CTAs");
+  TORCH_CHECK(direct || spread || scatter,
+              "megatron_mok: only the direct and spread megakernels can skip the slots");
   // MOK_MOVER_WARPS is an upper bound: rows too long for that many movers' slots get fewer.
-  int warps = direct ? 1 : mover_warps();
+  int warps = direct || spread ? 1 : mover_warps();
   while (warps > 1 && megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps) == 0) warps /= 2;
   const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps);
-  TORCH_CHECK(direct || lag >= 1, "megatron_mok: the forward megakernel's ", warps,
+  TORCH_CHECK(direct || spread || lag >= 1, "megatron_mok: the forward megakernel's ", warps,
               " row movers cannot hold rows of H = ", H, " bf16 in shared memory");
   TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
               "megatron_mok: minibatch_rows must be a positive multiple of 128");
@@ -139,6 +143,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.mover_lag = lag;
   p.mover_warps = warps;
   p.num_comm = int(num_comm);
+  p.spread = spread;
+  p.pull_target = spread ? 128 : warps;
   p.counters = counters.data_ptr<int>();
   p.peer_rank = peer_rank.data_ptr<int>();
   p.peer_token = peer_token.data_ptr<int>();
@@ -169,7 +175,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
     p.x_row_map = row_map(*x_local);
   }
   p.scatter = scatter;
-  p.store_y = !direct || store_y || !scatter;
+  p.store_y = !(direct || spread) || store_y || !scatter;
   if (R == 0) return;
 
   auto tma_x = make_load_a<Cfg1>(x_rows, make_stride(H, _1{}), int(ring_rows), int(H));

@@ -69,6 +69,11 @@ struct ForwardParams {
   int mover_lag;          // rows in flight each way per mover warp (mover_lag())
   int mover_warps;        // row movers (warps) per comm CTA, 1..kMaxMoverWarps
   int num_comm;           // comm CTAs
+  // Spread mode (no comm CTAs, rows still pulled into x_rows): producer warps 1-3 of every
+  // CTA pull rows with register copies, one release per row (pull_target = 128 per tile);
+  // comm mode's movers release once per warp and tile (pull_target = mover_warps).
+  bool spread;
+  int pull_target;
   int* counters;          // forward_counters_size(m_tiles) int32, zero at launch
   // Rows: row j of the table holds route (peer_rank[j], peer_token[j], peer_k[j]), -1: padding.
   const int* peer_rank;
@@ -89,12 +94,12 @@ struct ForwardParams {
   int num_tokens;            // rows of x_local
   // kGatherTma: x_local as a [num_tokens, H] bf16 tensor map with 1 x 64 boxes, 128B swizzle.
   cute::TmaDescriptor x_row_map;  // (CUtensorMap carries its own alignment)
-  bool store_y;              // direct mode: also store y_rows (the backward reads them)
-  bool scatter;              // direct mode: fc2 writes the (t, k) slots (else y_rows only,
+  bool store_y;              // direct/spread: also store y_rows (the backward reads them)
+  bool scatter;              // direct/spread: fc2 writes the (t, k) slots (else y_rows only,
                              // read in place by the combine: ops.combine_rows)
   Watchdog dog;
-  int hold_tile;             // tests: the last mover warp never publishes this tile's pull
-                             // (-1: none)
+  int hold_tile;             // tests: the last mover warp (spread: the tile's last row)
+                             // never publishes this tile's pull (-1: none)
   // Optional cycle probes (nullptr: off): kProbeSlots uint64 per CTA, see ProbeSlot.
   unsigned long long* probe;
 };
@@ -311,6 +316,52 @@ __device__ __forceinline__ void forward_comm(const ForwardParams& p, int used_ti
       },
       [](int) {}, [](int) {});
   if (threadIdx.x % 32 == 0) bulk_store_wait_all();  // smem must outlive the stores' reads
+}
+
+// Spread mode, producer warps 1..3 of every CTA: pull the table's rows into x_rows with
+// register copies (16 bytes per lane, kSpreadUnroll per lane in flight), no shared
+// memory (the GEMM stages hold it all). Global mover warp g of G takes rows g, g + G, ...
+// in increasing order, so tiles complete in task order; each row is released on its own
+// (pulled[m] counts to 128). Each row is read once and fc1's n tiles then load it by 2-D
+// TMA, unlike direct mode's 128-byte gathers per (n tile, K step) that cap its fc1
+// mainloop at 0.6 of the tensor rate (docs/perf-notes.md, v10 measured). The rate
+// needed is small: every row feeds (I / 128) fc1 tiles of H / 64 K steps.
+constexpr int kSpreadUnroll = 4;
+__device__ __forceinline__ void spread_pull(const ForwardParams& p, int used_tiles, int mover,
+                                            int movers_per_cta) {
+  const int lane = threadIdx.x % 32;
+  const int64_t movers = int64_t(gridDim.x) * movers_per_cta;
+  const int64_t rows = int64_t(used_tiles) * 128;
+  const int n = p.row_vecs;
+  for (int64_t j = int64_t(blockIdx.x) * movers_per_cta + mover; j < rows; j += movers) {
+    uint4* dst = p.x_rows + j * n;
+    const int src_rank = __ldg(p.peer_rank + j);
+    if (src_rank < 0) {  // padding row: zeros for fc1
+      for (int v = lane; v < n; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      const uint4* src = (p.x_local != nullptr
+                              ? p.x_local
+                              : peer_ptr<const uint4>(p.peer_base, src_rank, p.x_offset)) +
+                         int64_t(__ldg(p.peer_token + j)) * n;
+      for (int v0 = lane; v0 < n; v0 += 32 * kSpreadUnroll) {
+        uint4 r[kSpreadUnroll];
+#pragma unroll
+        for (int u = 0; u < kSpreadUnroll; ++u) {
+          if (v0 + 32 * u < n) r[u] = __ldg(src + v0 + 32 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < kSpreadUnroll; ++u) {
+          if (v0 + 32 * u < n) dst[v0 + 32 * u] = r[u];
+        }
+      }
+    }
+    fence_proxy_async_global();  // this lane's generic writes -> fc1's TMA reads
+    __syncwarp();
+    const int m = int(j / 128);
+    if (lane == 0 && !(m == p.hold_tile && j % 128 == 127)) {
+      red_release_gpu_add(pulled_counter(p, m), 1);
+    }
+  }
 }
 
 // Direct mode, producer warpgroup: the K steps of a fc1 task. The 128 threads gather the
@@ -571,7 +622,9 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
       // warpgroup learns each task (fc1 rows are gathered by all 128 threads).
       cutlass::arch::warpgroup_reg_dealloc<56>();
       const int ptid = threadIdx.x;
-      if (ptid == 0 || p.direct) {
+      if (p.spread && ptid >= 32) {
+        spread_pull(p, used_tiles, ptid / 32 - 1, 3);
+      } else if (ptid == 0 || p.direct) {
         gemm::RingPos ring;
         const int fc1_target = 2 * p.fc1.n_tiles;
         while (true) {
@@ -599,7 +652,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
               }
             } else {
               const long long w0 = p.probe != nullptr ? clock64() : 0;
-              wait_counter(pulled_counter(p, m), p.mover_warps, p.dog, kWaitRowsPulled, m);
+              wait_counter(pulled_counter(p, m), p.pull_target, p.dog, kWaitRowsPulled, m);
               if (p.probe != nullptr) probe_add(p, kProbeDepWait, clock64() - w0);
               fence_proxy_async_global();
               gemm::Task a_task = task.tile;  // A from the tile's ring slot, if any
@@ -660,7 +713,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
         if (!task.fc2) {
           gemm::tile_epilogue<Cfg1>(smem, es, p.fc1, task.tile, accum, true, tma_act, tma_h);
           if (es.wg_thread == 0) publish_tile(fc1_counter(p, task.tile.m_tile));
-        } else if (p.direct && p.scatter) {
+        } else if ((p.direct || p.spread) && p.scatter) {
           scatter_fc2_epilogue<Cfg2>(smem, es, p, task.tile, accum, tma_y);
         } else {
           gemm::tile_epilogue<Cfg2>(smem, es, p.fc2, task.tile, accum, true, tma_y, tma_y);
