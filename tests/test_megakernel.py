@@ -168,7 +168,8 @@ def test_bitwise_identical_across_comm_sms_and_minibatch(num_comm, minibatch, mo
     y_base, _ = _forward(inputs, ws, sched, KERNEL)
     monkeypatch.setenv("MOK_FORWARD", {0: "megakernel-spread", 40: "megakernel"}.get(
         num_comm, "megakernel-comm"))
-    config = dataclasses.replace(KERNEL, fwd_num_comm_sms=num_comm, minibatch_size=minibatch,
+    config = dataclasses.replace(KERNEL, fwd_num_comm_sms=num_comm or KERNEL.fwd_num_comm_sms,
+                                 minibatch_size=minibatch,
                                  macrobatch_size=max(minibatch, KERNEL.macrobatch_size))
     y, _ = _forward(inputs, ws, sched, config)
     assert torch.equal(y, y_base)
