@@ -55,15 +55,18 @@ def test_precedence_env_over_cache_over_config(monkeypatch):
     monkeypatch.setattr(megakernel, "available", lambda: True)
     config = MoKConfig(fwd_num_comm_sms=12, minibatch_size=1024)
     ws = _ws()
-    default = autotune.ForwardPlan("launches", 12, 1024)
-    assert autotune.forward_plan(ws, 768, config) == default  # no cache entry
+    # No cache entry: the spread megakernel at EP = 1 where it runs, else the chain.
+    default = autotune.ForwardPlan("megakernel-spread", 12, 1024)
+    assert autotune.forward_plan(ws, 768, config) == default
+    big = _ws(hidden=megakernel.MAX_HIDDEN + 8)
+    assert autotune.forward_plan(big, 768, config) == autotune.ForwardPlan("launches", 12, 1024)
     cached = autotune.ForwardPlan("megakernel", 0, 4096)
     autotune.store(autotune.workspace_key(ws, 768), cached, {})
     assert autotune.forward_plan(ws, 768, config) == cached
     assert autotune.forward_plan(ws, 768, MoKConfig(autotune=False)) == \
-        autotune.ForwardPlan("launches", 24, 4096)
+        autotune.ForwardPlan("megakernel-spread", 24, 4096)
     monkeypatch.setenv("MOK_FORWARD", "launches")
-    assert autotune.forward_plan(ws, 768, config) == default
+    assert autotune.forward_plan(ws, 768, config) == autotune.ForwardPlan("launches", 12, 1024)
     monkeypatch.setenv("MOK_FORWARD", "megakernel")
     assert autotune.forward_plan(ws, 768, config) == autotune.ForwardPlan("megakernel", 12, 1024)
 
