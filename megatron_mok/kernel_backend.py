@@ -2,10 +2,11 @@
 
 Forward, per rank:  publish x -> barrier -> pull rows of x into row-table order ->
 grouped GEMM fc1 -> SwiGLU -> grouped GEMM fc2 -> push rows into the owners'
-(t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert). With
-MOK_FORWARD=megakernel, or a cached autotune plan that measured it fastest
-(megatron_mok.autotune), the steps from pull to push run as one launch, the forward
-megakernel (megatron_mok.megakernel).
+(t, k) slots -> barrier -> fp32 combine epilogue (+ shared expert). At EP = 1 by
+default (spread mode), with MOK_FORWARD=megakernel*, or with a cached autotune plan that
+measured it fastest (megatron_mok.autotune), the steps from pull to push run as one
+launch, the forward megakernel (megatron_mok.megakernel); MOK_FORWARD=launches keeps
+this chain.
 
 Backward: publish dy and the router weights -> barrier -> pull dy rows scaled by
 their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->

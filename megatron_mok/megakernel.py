@@ -1,15 +1,16 @@
 """The forward megakernel (csrc/megakernel/, docs/megakernel.md): pull dispatch, fc1 with
 SwiGLU, fc2 and push combine of one layer in one persistent launch.
 
-Comm CTAs pull the routed rows of x into row-table order and, tile by tile, push the
-finished expert rows into their owners' (token, k) slots; compute CTAs run the grouped-GEMM
-core's fc1 and fc2 tiles in a fixed topological order, waiting on per-tile readiness
-counters. The combine epilogue (and the EP barrier before it) stays a separate launch.
+Movers pull the routed rows of x into row-table order (comm CTAs, or in spread mode three
+idle producer warps of every CTA) and finished expert rows go to their owners' (token, k)
+slots (pushed by the comm CTAs, or stored by fc2's epilogue), or stay in place for the
+EP = 1 combine; compute CTAs run the grouped-GEMM core's fc1 and fc2 tiles in a fixed
+topological order, waiting on per-tile readiness counters. The combine epilogue (and the
+EP barrier before it) stays a separate launch.
 
-Not the default path: at EP = 1 it was measured slower than the launch chain
-(docs/megakernel.md, "Measured"). MOK_FORWARD=megakernel selects it, and so does a
-cached autotune plan where it measured fastest (megatron_mok.autotune); otherwise the
-forward runs v1's launch chain.
+Spread mode is the EP = 1 default (autotune.forward_plan; measured 1.05-1.17x faster than
+the launch chain on 5 of 6 shapes: docs/megakernel.md, "Measured"). MOK_FORWARD selects
+a path explicitly, and a cached autotune plan overrides the default.
 """
 
 from __future__ import annotations
