@@ -82,6 +82,14 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor(c!)? h, Tensor(d!) y_rows, Tensor(e!) counters, Tensor(f!) watchdog, "
         "int timeout_ms, int rank, int num_comm, int minibatch_rows, bool direct, bool store_y, "
         "int hold_tile, Tensor(g!)? probe=None, bool scatter=True) -> ()");
+  // The backward megakernel, dgrad half (EP = 1, megakernel/backward.cuh): d_out = dy rows
+  // scaled by their router weight, dots = <dy, y_rows> per row, d_h (fc2 dgrad + SwiGLU
+  // backward from h) and dx_rows (fc1 dgrad) in one persistent launch.
+  m.def("moe_backward(Tensor dy, Tensor topk_w, Tensor peer_rank, Tensor peer_token, "
+        "Tensor peer_k, Tensor expert_offsets, Tensor num_rows, Tensor w1, Tensor w2, Tensor h, "
+        "Tensor y_rows, Tensor(a!) d_out, Tensor(b!) dots, Tensor(c!) d_h, Tensor(d!) dx_rows, "
+        "Tensor(e!) counters, Tensor(f!) watchdog, int timeout_ms, int minibatch_rows, "
+        "int hold_tile) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

@@ -109,6 +109,16 @@ class KernelSaved:
     route_row: Optional[torch.Tensor] = None  # EP = 1 rows combine: row of route (t, k)
 
 
+def backward_minibatch() -> int:
+    """Rows per readiness counter of the backward megakernel (MOK_BACKWARD_MINIBATCH,
+    default 2048: the forward's best at T = 8192, perf-notes v7)."""
+    value = os.environ.get("MOK_BACKWARD_MINIBATCH", "2048")
+    if not value.isdigit() or int(value) < 128 or int(value) % 128:
+        raise ValueError(f"megatron_mok: MOK_BACKWARD_MINIBATCH must be a positive multiple of "
+                         f"128, got {value!r}")
+    return int(value)
+
+
 def rows_combine(ws: MoKWorkspace) -> bool:
     """MOK_EP1_COMBINE=rows (the default; EP = 1 only): the combines of the forward and the
     backward read the expert rows in place (ops.combine_rows) instead of pushing them into
@@ -184,6 +194,21 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     return y, saved
 
 
+def _dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, d_out: torch.Tensor,
+                    offs: torch.Tensor):
+    """v1: fc2 dgrad + SwiGLU backward, then fc1 dgrad, as separate launches: (d_h, dx_rows)."""
+    if core == "mok":
+        d_h = grouped_gemm.dgrad_swiglu(d_out, saved.w2, saved.h, sched.expert_offsets,
+                                        sched.num_rows)
+        dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
+                                           w_transposed=True)
+    else:
+        d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
+        d_h = _swiglu_backward(saved.h, d_act)
+        dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
+    return d_h, dx_rows
+
+
 def _expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool,
                      push: bool = True):
     """v1: pull, fc1 (+ SwiGLU), fc2 and push (unless the combine reads the rows in
@@ -210,29 +235,32 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2)."""
     arena, topk = ws.arena, ws.topk
     num_tokens, hidden = dy.shape
-    arena.view("dy").copy_(dy)
-    arena.view("topk_w").copy_(saved.topk_w)
+    core = gemm_core()
+    # MOK_BACKWARD=megakernel (EP = 1, rows combined in place): pull, fc2 dgrad + SwiGLU
+    # backward and fc1 dgrad in one launch, reading dy itself (nothing is published).
+    fused = core == "mok" and megakernel.backward_path(
+        ws, hidden, saved.route_row is not None) == "megakernel"
+    if not fused:
+        arena.view("dy").copy_(dy)
+        arena.view("topk_w").copy_(saved.topk_w)
     d_shared = (None, None, None)
     if saved.shared_out is not None:  # local work first, while peers catch up
         d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
     arena.barrier()
     offs = sched.expert_offsets[1:]
-    d_out = dy.new_empty(ws.capacity, hidden)
-    dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
-    ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out,
-                  w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
+    if fused:
+        d_out, dots, d_h, dx_rows = megakernel.moe_backward(
+            ws, sched, dy.contiguous(), saved.topk_w, saved.w1.contiguous(),
+            saved.w2.contiguous(), saved.h, saved.y_rows, minibatch_rows=backward_minibatch())
+    else:
+        d_out = dy.new_empty(ws.capacity, hidden)
+        dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
+        ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out,
+                      w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
     if saved.x_rows is None:  # the direct megakernel gathered x on the fly
         saved.x_rows = _gather_rows(saved.x, sched)
-    core = gemm_core()
-    if core == "mok":
-        d_h = grouped_gemm.dgrad_swiglu(d_out, saved.w2, saved.h, sched.expert_offsets,
-                                        sched.num_rows)
-        dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
-                                           w_transposed=True)
-    else:
-        d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
-        d_h = _swiglu_backward(saved.h, d_act)
-        dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
+    if not fused:
+        d_h, dx_rows = _dgrad_launches(core, sched, saved, d_out, offs)
     if saved.route_row is None:
         ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk,
                       scalars=dots, scalar_offset=arena.offset("d_topk_w"))

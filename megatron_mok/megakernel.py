@@ -128,6 +128,68 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
             (None if spread and scatter and not save_h else y_rows))
 
 
+# MOK_BACKWARD: "launches" (v1's chain, the default until the megakernel is measured) or
+# "megakernel" (the dgrad half in one launch; EP = 1 with the in-place combine only).
+BACKWARD_PATHS = ("launches", "megakernel")
+
+
+def backward_available() -> bool:
+    return ops.extension_available() and hasattr(torch.ops.megatron_mok, "moe_backward")
+
+
+def backward_path(ws, hidden: int, in_place: bool) -> str:
+    """"megakernel" when MOK_BACKWARD asks for it and it can run here (built, EP = 1, the
+    combine reading rows in place, H <= MAX_HIDDEN), else "launches"."""
+    path = os.environ.get("MOK_BACKWARD", "launches")
+    if path not in BACKWARD_PATHS:
+        raise ValueError(f"megatron_mok: MOK_BACKWARD must be one of {BACKWARD_PATHS}, "
+                         f"got {path!r}")
+    if path == "megakernel" and backward_available() and ws.ep_size == 1 and in_place \
+            and hidden <= MAX_HIDDEN:
+        return path
+    return "launches"
+
+
+def moe_backward(ws, sched, dy: torch.Tensor, topk_w: torch.Tensor, w1: torch.Tensor,
+                 w2: torch.Tensor, h: torch.Tensor, y_rows: torch.Tensor, *,
+                 minibatch_rows: int, hold_tile: int = -1,
+                 timeout_ms: Optional[int] = None):
+    """(d_out, dots, d_h, dx_rows) of the routed experts' data gradients at EP = 1 in one
+    persistent launch (csrc/megakernel/backward.cuh), bitwise those of the launch chain:
+    d_out = dy rows scaled by their router weight (pull_rows), dots = <dy, y_row> per row,
+    d_h = fc2 dgrad with the SwiGLU backward (from the saved h), dx_rows = fc1 dgrad. The
+    combine reads dx_rows in place (ops.combine_rows); the weight gradients are the core's
+    wgrad launches."""
+    if ws.ep_size != 1:
+        raise ValueError("megatron_mok: the backward megakernel runs at EP = 1 only")
+    if minibatch_rows < TILE_M or minibatch_rows % TILE_M:
+        raise ValueError(f"megatron_mok: minibatch_rows must be a positive multiple of {TILE_M}, "
+                         f"got {minibatch_rows}")
+    rows, hidden = ws.capacity, dy.shape[1]
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"megatron_mok: the backward megakernel supports H <= {MAX_HIDDEN}, "
+                         f"got {hidden}")
+    inter = w1.shape[1] // 2
+    grouped_gemm._check_multiple_of_8(hidden=hidden, inter=inter)
+    for name, t in (("dy", dy), ("w1", w1), ("w2", w2), ("h", h), ("y_rows", y_rows)):
+        if t.dtype != torch.bfloat16 or not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"megatron_mok: {name} must be a contiguous CUDA bfloat16 tensor")
+    if h.shape != (rows, 2 * inter) or y_rows.shape != (rows, hidden):
+        raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}] and y_rows "
+                         f"[{rows}, {hidden}], got {tuple(h.shape)} and {tuple(y_rows.shape)}")
+    d_out = dy.new_empty(rows, hidden)
+    dots = torch.empty(rows, dtype=torch.float32, device=dy.device)
+    d_h = dy.new_empty(rows, 2 * inter)
+    dx_rows = dy.new_empty(rows, hidden)
+    torch.ops.megatron_mok.moe_backward(
+        dy, topk_w.float().contiguous(), sched.peer_rank, sched.peer_token, sched.peer_k,
+        sched.expert_offsets, sched.num_rows, w1, w2, h, y_rows, d_out, dots, d_h, dx_rows,
+        ws.forward_counters, ws.arena.watchdog,
+        ws.arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, minibatch_rows,
+        hold_tile)
+    return d_out, dots, d_h, dx_rows
+
+
 # Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first
 # consumer warpgroup's thread 0 and the producer's thread 0.
 PROBE_SLOTS = 16

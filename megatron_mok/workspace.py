@@ -113,9 +113,12 @@ class SymmetricArena:
         # Forward megakernel waits: [3] is the 128-row tile whose counter did not arrive.
         waits = {2: ("a fc1 task", "rows pulled"), 3: ("a fc2 task", "fc1 tile halves done"),
                  4: ("a comm CTA's push", "fc2 tile halves done"),
-                 5: ("a comm CTA's pull into the x_rows ring", "fc1 tile halves done")}
+                 5: ("a comm CTA's pull into the x_rows ring", "fc1 tile halves done"),
+                 6: ("a fc2-dgrad task", "dy rows pulled"),
+                 7: ("a fc1-dgrad task", "d_h tile halves done")}
         role, counter = waits.get(what, (f"wait #{what}", "counter"))
-        return (f"megatron_mok watchdog: rank {rank} stuck in the forward megakernel (block "
+        kernel = "backward" if what in (6, 7) else "forward"
+        return (f"megatron_mok watchdog: rank {rank} stuck in the {kernel} megakernel (block "
                 f"{block}, {role}) waiting for row tile {peer}: {counter} expected {expected}, "
                 f"saw {seen} after {waited_ns / 1e6:.0f} ms")
 

@@ -66,3 +66,51 @@ def test_rows_combine_is_the_ep1_default(monkeypatch):
     monkeypatch.setenv("MOK_EP1_COMBINE", "inplace")
     with pytest.raises(ValueError, match="MOK_EP1_COMBINE"):
         kernel_backend.rows_combine(ep1)
+
+
+def test_backward_path_is_opt_in_and_checked(monkeypatch):
+    ep1, ep2 = types.SimpleNamespace(ep_size=1), types.SimpleNamespace(ep_size=2)
+    monkeypatch.setattr(megakernel, "backward_available", lambda: True)
+    monkeypatch.delenv("MOK_BACKWARD", raising=False)
+    assert megakernel.backward_path(ep1, 2048, in_place=True) == "launches"  # the default
+    monkeypatch.setenv("MOK_BACKWARD", "megakernel")
+    assert megakernel.backward_path(ep1, 2048, in_place=True) == "megakernel"
+    # Where it cannot run, the chain: EP > 1, slots combine, H too large, not built.
+    assert megakernel.backward_path(ep2, 2048, in_place=True) == "launches"
+    assert megakernel.backward_path(ep1, 2048, in_place=False) == "launches"
+    assert megakernel.backward_path(ep1, megakernel.MAX_HIDDEN + 8, in_place=True) == "launches"
+    monkeypatch.setattr(megakernel, "backward_available", lambda: False)
+    assert megakernel.backward_path(ep1, 2048, in_place=True) == "launches"
+    monkeypatch.setenv("MOK_BACKWARD", "fused")
+    with pytest.raises(ValueError, match="MOK_BACKWARD"):
+        megakernel.backward_path(ep1, 2048, in_place=True)
+
+
+def test_backward_minibatch_knob(monkeypatch):
+    monkeypatch.delenv("MOK_BACKWARD_MINIBATCH", raising=False)
+    assert kernel_backend.backward_minibatch() == 2048
+    monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", "512")
+    assert kernel_backend.backward_minibatch() == 512
+    for bad in ("100", "0", "-128", "lots"):
+        monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", bad)
+        with pytest.raises(ValueError, match="MOK_BACKWARD_MINIBATCH"):
+            kernel_backend.backward_minibatch()
+
+
+def test_moe_backward_rejects_bad_input_before_any_launch():
+    ws = types.SimpleNamespace(ep_size=2, capacity=256)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="EP = 1"):
+        megakernel.moe_backward(ws, None, x, None, None, None, None, None, minibatch_rows=256)
+    ws.ep_size = 1
+    with pytest.raises(ValueError, match="minibatch_rows"):
+        megakernel.moe_backward(ws, None, x, None, None, None, None, None, minibatch_rows=200)
+    big = torch.zeros(4, megakernel.MAX_HIDDEN + 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="H <="):
+        megakernel.moe_backward(ws, None, big, None, None, None, None, None, minibatch_rows=256)
+    w1 = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    h = torch.zeros(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA bfloat16"):  # CPU tensors
+        megakernel.moe_backward(ws, None, x, None, w1, w2, h, torch.zeros(256, 64),
+                                minibatch_rows=256)

@@ -39,7 +39,9 @@ __device__ __forceinline__ void bulk_store_wait_all() {
 // What a watchdog record says was waited on (record[1]); record[3] is the 128-row tile.
 enum WaitWhat : int64_t {
   kWaitRowsPulled = 2, kWaitFc1Done = 3, kWaitFc2Done = 4,
-  kWaitRingFree = 5  // a comm CTA's pull: the ring tile's previous rows not yet read by fc1
+  kWaitRingFree = 5,  // a comm CTA's pull: the ring tile's previous rows not yet read by fc1
+  kWaitDyPulled = 6,  // backward: a fc2-dgrad tile waits for its scaled dy rows
+  kWaitDhDone = 7     // backward: a fc1-dgrad tile waits for its row tile's d_h
 };
 
 struct Watchdog {

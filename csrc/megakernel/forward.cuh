@@ -154,23 +154,26 @@ __device__ __forceinline__ int used_row_tiles(const gemm::GemmParams& p) {
 }
 
 struct ForwardTask {
-  bool fc2;        // false: fc1 + SwiGLU
+  bool fc2;        // false: fc1 + SwiGLU (generally: the second GEMM of the pair)
   gemm::Task tile;
 };
 
-// Task t of the topological order, skewed by one minibatch so that fc2 never waits on fc1
-// tasks drawn just before it: fc1(0), fc1(1), fc2(0), fc1(2), fc2(1), ..., fc2(nb - 1), where
-// minibatch b holds row tiles [b * mb, b * mb + tiles) and each of its fc1 and fc2 phases
-// runs tiles x column tiles, banded. Every task comes after the tasks it waits on, so the
-// persistent CTAs, drawing in order, cannot deadlock. Only the last minibatch is partial.
-template <class Cfg1, class Cfg2>
-__device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& p, int t,
-                                                           int used_tiles) {
-  const int n1 = p.fc1.n_tiles, n2 = p.fc2.n_tiles, mb = p.mb_tiles;
+// Task t of a pair of row-table GEMMs whose second reads the first's output of the same
+// row tile (forward: fc1 then fc2; backward: fc2 dgrad then fc1 dgrad), in topological
+// order skewed by one minibatch so that the second never waits on tasks drawn just before
+// it: A(0), A(1), B(0), A(2), B(1), ..., B(nb - 1), where minibatch b holds row tiles
+// [b * mb, b * mb + tiles) and each of its phases runs tiles x column tiles, banded. Every
+// task comes after the tasks it waits on, so the persistent CTAs, drawing in order, cannot
+// deadlock. Only the last minibatch is partial. k_first / k_second: K steps per task.
+__device__ __forceinline__ ForwardTask decode_pair_task(const gemm::GemmParams& first,
+                                                        const gemm::GemmParams& second, int mb,
+                                                        int t, int used_tiles, int k_first,
+                                                        int k_second) {
+  const int n1 = first.n_tiles, n2 = second.n_tiles;
   const int nb = (used_tiles + mb - 1) / mb;
   auto tiles_of = [&](int b) { return min(mb, used_tiles - b * mb); };
   const int fc1_first = tiles_of(0) * n1;
-  const int per_pair = mb * (n1 + n2);  // fc1(q + 1) then fc2(q), q < nb - 1
+  const int per_pair = mb * (n1 + n2);  // A(q + 1) then B(q), q < nb - 1
   const int pairs_end = nb == 1 ? fc1_first
                                 : fc1_first + (nb - 2) * per_pair + tiles_of(nb - 1) * n1 + mb * n2;
   ForwardTask task;
@@ -186,22 +189,28 @@ __device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& 
     b = task.fc2 ? q : q + 1;
     local = task.fc2 ? r - f : r;
   }
-  const int first = b * mb, tiles = tiles_of(b);
+  const int first_tile = b * mb, tiles = tiles_of(b);
   int m;
   if (!task.fc2) {
     gemm::band_order(local, tiles, n1, m, task.tile.n_tile);
   } else {
     gemm::band_order(local, tiles, n2, m, task.tile.n_tile);
   }
-  task.tile.m_tile = first + m;
-  task.tile.expert = gemm::expert_of_row(p.fc1.offsets, p.fc1.num_experts, task.tile.m_tile * 128);
+  task.tile.m_tile = first_tile + m;
+  task.tile.expert = gemm::expert_of_row(first.offsets, first.num_experts, task.tile.m_tile * 128);
   task.tile.k_begin = 0;
-  task.tile.k_end = task.fc2 ? (p.fc2.K + Cfg2::BK - 1) / Cfg2::BK
-                             : (p.fc1.K + Cfg1::BK - 1) / Cfg1::BK;
+  task.tile.k_end = task.fc2 ? k_second : k_first;
   task.tile.skip = false;
   task.tile.store = true;
   task.tile.share_b = true;
   return task;
+}
+
+template <class Cfg1, class Cfg2>
+__device__ __forceinline__ ForwardTask decode_forward_task(const ForwardParams& p, int t,
+                                                           int used_tiles) {
+  return decode_pair_task(p.fc1, p.fc2, p.mb_tiles, t, used_tiles,
+                          (p.fc1.K + Cfg1::BK - 1) / Cfg1::BK, (p.fc2.K + Cfg2::BK - 1) / Cfg2::BK);
 }
 
 // Comm CTA: stream the rows of this CTA's tiles (m = blockIdx.x, + num_comm, ...) into

@@ -1,0 +1,134 @@
+// Host side of the backward megakernel (dgrad half, EP = 1): argument checks, the TMA
+// descriptors of fc2 dgrad (+ SwiGLU backward) and fc1 dgrad, one cooperative launch over
+// every SM. Reads the row count and the expert offsets on the device: no host sync.
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "gemm/host.cuh"
+#include "megakernel/backward.cuh"
+
+namespace megatron_mok {
+namespace {
+
+using namespace cute;
+using namespace gemm_host;
+using megakernel::BackwardParams;
+
+using CfgD = CfgDgradSwiGLU<1>;  // the core's fc2 dgrad + SwiGLU backward tiles
+using CfgX = CfgRowsNN<1>;       // the core's fc1 dgrad tiles (w1 read MN-major)
+
+void check_rows_table(const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() &&
+                  t.numel() == numel,
+              "megatron_mok: ", name, " must be a contiguous CUDA int32 tensor of ", numel,
+              " entries");
+}
+
+void moe_backward(const at::Tensor& dy, const at::Tensor& topk_w, const at::Tensor& peer_rank,
+                  const at::Tensor& peer_token, const at::Tensor& peer_k,
+                  const at::Tensor& offsets, const at::Tensor& num_rows, const at::Tensor& w1,
+                  const at::Tensor& w2, const at::Tensor& h, const at::Tensor& y_rows,
+                  const at::Tensor& d_out, const at::Tensor& dots, const at::Tensor& d_h,
+                  const at::Tensor& dx_rows, const at::Tensor& counters,
+                  const at::Tensor& watchdog, int64_t timeout_ms, int64_t minibatch_rows,
+                  int64_t hold_tile) {
+  check_bf16_cuda(dy, "dy", 2);
+  check_bf16_cuda(w1, "w1", 3);
+  check_bf16_cuda(w2, "w2", 3);
+  check_bf16_cuda(h, "h", 2);
+  check_bf16_cuda(y_rows, "y_rows", 2);
+  check_bf16_cuda(d_out, "d_out", 2);
+  check_bf16_cuda(d_h, "d_h", 2);
+  check_bf16_cuda(dx_rows, "dx_rows", 2);
+  const int64_t R = d_out.size(0), H = d_out.size(1), E = w1.size(0), I = w1.size(1) / 2;
+  const int64_t T = dy.size(0);
+  TORCH_CHECK(dy.size(1) == H, "megatron_mok: dy must be [T, H]");
+  TORCH_CHECK(w1.size(1) == 2 * I && w1.size(2) == H, "megatron_mok: w1 must be [E, 2I, H]");
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I,
+              "megatron_mok: w2 must be [E, H, I]");
+  TORCH_CHECK(h.size(0) == R && h.size(1) == 2 * I && d_h.sizes() == h.sizes(),
+              "megatron_mok: h and d_h must be [rows, 2I]");
+  TORCH_CHECK(y_rows.sizes() == d_out.sizes() && dx_rows.sizes() == d_out.sizes(),
+              "megatron_mok: y_rows, d_out and dx_rows must be [rows, H]");
+  TORCH_CHECK(R % 128 == 0, "megatron_mok: the row table must hold a multiple of 128 rows");
+  TORCH_CHECK(topk_w.is_cuda() && topk_w.scalar_type() == at::kFloat && topk_w.dim() == 2 &&
+                  topk_w.size(0) == T && topk_w.is_contiguous(),
+              "megatron_mok: topk_w must be a contiguous CUDA float32 [T, topk] tensor");
+  TORCH_CHECK(dots.is_cuda() && dots.scalar_type() == at::kFloat && dots.numel() == R &&
+                  dots.is_contiguous(),
+              "megatron_mok: dots must be a contiguous CUDA float32 tensor of rows entries");
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  for (auto [t, name] : {std::pair{&peer_rank, "peer_rank"}, {&peer_token, "peer_token"},
+                         {&peer_k, "peer_k"}}) {
+    check_rows_table(*t, name, R);
+  }
+  const int64_t m_tiles = R / 128;
+  check_rows_table(counters, "counters", megakernel::forward_counters_size(int(m_tiles)));
+  TORCH_CHECK(watchdog.is_pinned() && watchdog.scalar_type() == at::kLong && watchdog.numel() >= 8,
+              "megatron_mok: watchdog must be a pinned int64 tensor of 8 entries");
+  TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
+              "megatron_mok: minibatch_rows must be a positive multiple of 128");
+  c10::cuda::CUDAGuard guard(dy.device());
+  const int sms = num_sms(dy.get_device());
+
+  BackwardParams p{};
+  p.dgrad = rows_params(offsets, num_rows, R, I, H, CfgD::BN);
+  p.dgrad.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
+  p.dx = rows_params(offsets, num_rows, R, H, 2 * I, CfgX::BN);
+  p.dgrad_shapes = {int(R), int(H), int(I), int(H), int(E)};
+  p.dx_shapes = {int(R), int(2 * I), int(H), int(2 * I), int(E)};
+  p.mb_tiles = int(minibatch_rows / 128);
+  p.counters = counters.data_ptr<int>();
+  p.peer_rank = peer_rank.data_ptr<int>();
+  p.peer_token = peer_token.data_ptr<int>();
+  p.peer_k = peer_k.data_ptr<int>();
+  p.dy = reinterpret_cast<const uint4*>(dy.data_ptr());
+  p.topk_w = topk_w.data_ptr<float>();
+  p.y_rows = reinterpret_cast<const uint4*>(y_rows.data_ptr());
+  p.d_out = reinterpret_cast<uint4*>(d_out.data_ptr());
+  p.dots = dots.data_ptr<float>();
+  p.topk = int(topk_w.size(1));
+  p.row_vecs = int(H / 8);
+  p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, 0};
+  p.hold_tile = int(hold_tile);
+  if (R == 0) return;
+
+  // The same operand views as the core's launches (grouped_gemm.cu): dgrad_swiglu and
+  // rows_matmul(w_transposed=True).
+  auto tma_dout = make_load_a<CfgD>(d_out, make_stride(H, _1{}), int(R), int(H));
+  auto tma_w2 = make_load_b<CfgD>(w2, make_stride(_1{}, I, H * I), int(I), int(H), int(E));
+  auto tma_dh = make_store_atom<CfgD>(rows_view(d_h));
+  auto tma_dh_halves = make_store_atom<CfgD>(halves_view(d_h));
+  auto tma_dh_in = make_load_a<CfgX>(d_h, make_stride(2 * I, _1{}), int(R), int(2 * I));
+  auto tma_w1 = make_load_b<CfgX>(w1, make_stride(_1{}, H, 2 * I * H), int(H), int(2 * I),
+                                  int(E));
+  auto tma_dx = make_store_atom<CfgX>(rows_view(dx_rows));
+  auto kernel = &megakernel::moe_backward_kernel<CfgD, CfgX, decltype(tma_dout), decltype(tma_w2),
+                                                 decltype(tma_dh), decltype(tma_dh_in),
+                                                 decltype(tma_w1), decltype(tma_dx)>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      CfgD::kSmemBytes));
+  // Cooperative: every CTA resident at once (their movers and tiles wait on each other).
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(sms);
+  config.blockDim = dim3(CfgD::kThreads);
+  config.dynamicSmemBytes = CfgD::kSmemBytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_dout, tma_w2, tma_dh, tma_dh_halves,
+                                    tma_dh_in, tma_w1, tma_dx));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) { m.impl("moe_backward", &moe_backward); }
+
+}  // namespace megatron_mok

@@ -1,0 +1,272 @@
+// The backward megakernel, dgrad half (issue 6; docs/megakernel.md, "Backward megakernel"):
+// one persistent launch runs the routed experts' data gradients of a layer at EP = 1:
+//
+//   pull dy rows scaled by their router weight (+ <dy, y_row> per route, for d_topk_w)
+//     -> fc2 dgrad with the SwiGLU backward in its epilogue (d_h, from the saved h)
+//     -> fc1 dgrad (dx rows, read in place by the combine)
+//
+// Same machinery as the forward's spread mode (forward.cuh): producer warps 1..3 of every
+// CTA are row movers; thread 0 draws tasks of a skewed topological order
+// (decode_pair_task: dgrad(0), dgrad(1), dx(0), ...) and waits (acquire) for pulled[m] ==
+// 128 before a dgrad tile and dh_done[m] == 2 * dgrad column tiles before a dx tile; the
+// consumer warpgroups run the grouped-GEMM core's CfgDgradSwiGLU and CfgRowsNN tiles
+// (one shared-memory layout: A K-major, B MN-major, BN = 256) and publish d_h halves.
+// The weight gradients stay the core's wgrad launches after this one.
+//
+// Every output has one owner and a fixed order: the pulled rows and the dots are computed
+// exactly as ops.pull_rows computes them (scale8, and 256 virtual threads' partial sums
+// reduced in its order), the tiles as the core's launches compute them, so d_out, dots,
+// d_h and dx rows are bitwise those of the launch chain and independent of the minibatch
+// and the grid. Counters start at zero and the last CTA zeroes them (stream order).
+#pragma once
+
+#include "gemm/tile.cuh"
+#include "megakernel/counters.cuh"
+#include "megakernel/forward.cuh"
+
+namespace megatron_mok::megakernel {
+
+struct BackwardParams {
+  gemm::GemmParams dgrad;  // d_h = SwiGLU'(h) * (d_out @ w2[e]): N = I, K = H (h_in = h)
+  gemm::GemmParams dx;     // dx_rows = d_h @ w1[e]: N = H, K = 2I
+  gemm::OperandShapes dgrad_shapes, dx_shapes;
+  int mb_tiles;            // row tiles per minibatch
+  int* counters;           // forward_counters_size(m_tiles): pulled[m], dh_done[m], (unused)
+  // Row j of the table holds route (peer_rank[j], peer_token[j], peer_k[j]), -1: padding.
+  const int* peer_rank;
+  const int* peer_token;
+  const int* peer_k;
+  const uint4* dy;         // [T, H] bf16 (EP = 1: this rank's)
+  const float* topk_w;     // [T, topk] router weights
+  const uint4* y_rows;     // [rows, H] the forward's expert rows (dots)
+  uint4* d_out;            // [rows, H] dy rows scaled by their router weight (A of fc2 dgrad)
+  float* dots;             // [rows] <dy[token], y_rows[j]>
+  int topk;
+  int row_vecs;            // H / 8
+  Watchdog dog;
+  int hold_tile;           // tests: the tile's last row is never published (-1: none)
+};
+
+__device__ __forceinline__ int* bwd_pulled_counter(const BackwardParams& p, int m) {
+  return p.counters + kCounterHeader + m;
+}
+__device__ __forceinline__ int* dh_counter(const BackwardParams& p, int m) {
+  return p.counters + kCounterHeader + p.dgrad.m_tiles + m;
+}
+
+// ops.pull_rows' arithmetic (csrc/comm/rows.cu), repeated here so that the two agree bit
+// for bit: bf16 x fp32 weight rounded to bf16, and an 8-element fma dot per vector.
+__device__ __forceinline__ float bwd_dot8(const uint4& a, const uint4& b) {
+  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+    s = __fmaf_rn(fa.x, fb.x, s);
+    s = __fmaf_rn(fa.y, fb.y, s);
+  }
+  return s;
+}
+
+__device__ __forceinline__ uint4 bwd_scale8(const uint4& a, float w) {
+  uint4 out;
+  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
+  __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pa[i]);
+    po[i] = __floats2bfloat162_rn(f.x * w, f.y * w);
+  }
+  return out;
+}
+
+// pull_rows runs a row on 256 threads: thread i sums the dots of vectors i, i + 256, ...
+// in order, each warp reduces with an xor butterfly and thread 0 adds the 8 warp sums in
+// order. One warp reproduces that, one virtual warp q at a time: lane l sums the vectors
+// of virtual thread 32 q + l in order, the butterfly leaves the same bits in every lane
+// (a + b == b + a), and the 8 sums are added in order. Each pass also writes its vectors
+// of d_out, so the row is read once.
+constexpr int kPullVirtualWarps = 8;  // pull_rows' 256 threads
+constexpr int kBwdPullUnroll = 2;     // vectors of dy and y in flight per lane
+
+__device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64_t j, int lane) {
+  const int n = p.row_vecs;
+  uint4* dst = p.d_out + j * n;
+  const int rank = __ldg(p.peer_rank + j);
+  if (rank < 0) {  // padding row: zeros for the GEMMs, dot 0
+    for (int v = lane; v < n; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    if (lane == 0) p.dots[j] = 0.f;
+    return;
+  }
+  const int64_t token = __ldg(p.peer_token + j);
+  const float w = __ldg(p.topk_w + token * p.topk + __ldg(p.peer_k + j));
+  const uint4* src = p.dy + token * n;
+  const uint4* saved = p.y_rows + j * n;
+  constexpr int kStride = 32 * kPullVirtualWarps;  // pull_rows' thread count
+  float total = 0.f;
+#pragma unroll 1
+  for (int q = 0; q < kPullVirtualWarps; ++q) {
+    float part = 0.f;
+#pragma unroll 1
+    for (int base = 32 * q + lane; base < n; base += kStride * kBwdPullUnroll) {
+      uint4 a[kBwdPullUnroll], b[kBwdPullUnroll];
+#pragma unroll
+      for (int u = 0; u < kBwdPullUnroll; ++u) {
+        const int v = base + kStride * u;
+        if (v < n) {
+          a[u] = __ldg(src + v);
+          b[u] = __ldg(saved + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBwdPullUnroll; ++u) {
+        const int v = base + kStride * u;
+        if (v < n) {
+          part += bwd_dot8(a[u], b[u]);
+          dst[v] = bwd_scale8(a[u], w);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    total += part;
+  }
+  if (lane == 0) p.dots[j] = total;
+}
+
+// Producer warps 1..3 of every CTA: rows g, g + G, ... of the table (G = 3 x #CTAs), each
+// published on its own once its stores are fenced for the TMA loads of fc2 dgrad.
+__device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_tiles,
+                                              int mover, int movers_per_cta) {
+  const int lane = threadIdx.x % 32;
+  const int64_t movers = int64_t(gridDim.x) * movers_per_cta;
+  const int64_t rows = int64_t(used_tiles) * 128;
+  for (int64_t j = int64_t(blockIdx.x) * movers_per_cta + mover; j < rows; j += movers) {
+    backward_pull_row(p, j, lane);
+    fence_proxy_async_global();  // this lane's generic writes -> the dgrad tiles' TMA reads
+    __syncwarp();
+    const int m = int(j / 128);
+    if (lane == 0 && !(m == p.hold_tile && j % 128 == 127)) {
+      red_release_gpu_add(bwd_pulled_counter(p, m), 1);
+    }
+  }
+}
+
+template <class CfgD, class CfgX, class TmaAD, class TmaBD, class TmaOD, class TmaAX, class TmaBX,
+          class TmaOX>
+__global__ void __launch_bounds__(CfgD::kThreads, 1)
+moe_backward_kernel(const __grid_constant__ BackwardParams p,
+                    const __grid_constant__ TmaAD tma_dout, const __grid_constant__ TmaBD tma_w2,
+                    const __grid_constant__ TmaOD tma_dh, const __grid_constant__ TmaOD tma_dh_halves,
+                    const __grid_constant__ TmaAX tma_dh_in, const __grid_constant__ TmaBX tma_w1,
+                    const __grid_constant__ TmaOX tma_dx) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cute;
+  using Storage = typename CfgD::SharedStorage;
+  static_assert(std::is_same_v<Storage, typename CfgX::SharedStorage>,
+                "fc2-dgrad and fc1-dgrad tiles share one shared-memory layout");
+  static_assert(std::is_same_v<typename CfgD::TiledMma, typename CfgX::TiledMma>,
+                "fc2-dgrad and fc1-dgrad tiles run the same WGMMA");
+  static_assert(CfgD::kCluster == 1 && CfgX::kCluster == 1, "the megakernel runs 1-CTA clusters");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<Storage*>(smem_raw);
+  const int used_tiles = used_row_tiles(p.dgrad);
+  const int num_tasks = used_tiles * (p.dgrad.n_tiles + p.dx.n_tiles);
+  const int k_dgrad = (p.dgrad.K + CfgD::BK - 1) / CfgD::BK;
+  const int k_dx = (p.dx.K + CfgX::BK - 1) / CfgX::BK;
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(tma_dout.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_w2.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_dh.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_dh_halves.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_dh_in.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_w1.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_dx.get_tma_descriptor());
+    gemm::init_tile_barriers<CfgD>(smem, 1);
+  }
+  __syncthreads();
+  gemm::TaskQueue<Storage> queue{smem};
+  int* task_counter = p.counters + kTaskCounter;
+
+  if (warpgroup == 0) {
+    // ---------------- producer: warps 1..3 pull, thread 0 loads ----------------
+    cutlass::arch::warpgroup_reg_dealloc<56>();
+    const int ptid = threadIdx.x;
+    if (ptid >= 32) {
+      backward_pull(p, used_tiles, ptid / 32 - 1, 3);
+    } else if (ptid == 0) {
+      gemm::RingPos ring;
+      const int dh_target = 2 * p.dgrad.n_tiles;
+      while (true) {
+        const int t = atomicAdd(task_counter, 1);
+        queue.push(t);
+        if (t >= num_tasks) break;
+        const ForwardTask task =
+            decode_pair_task(p.dgrad, p.dx, p.mb_tiles, t, used_tiles, k_dgrad, k_dx);
+        const int m = task.tile.m_tile;
+        if (!task.fc2) {  // fc2 dgrad: its dy rows pulled
+          wait_counter(bwd_pulled_counter(p, m), 128, p.dog, kWaitDyPulled, m);
+          fence_proxy_async_global();
+          gemm::load_task<CfgD>(smem, tma_dout, tma_w2, tma_w2, p.dgrad_shapes, task.tile, 0,
+                                ring);
+        } else {  // fc1 dgrad: both halves of every d_h column tile of the row tile
+          wait_counter(dh_counter(p, m), dh_target, p.dog, kWaitDhDone, m);
+          fence_proxy_async_global();
+          gemm::load_task<CfgX>(smem, tma_dh_in, tma_w1, tma_w1, p.dx_shapes, task.tile, 0,
+                                ring);
+        }
+      }
+    }
+  } else {
+    // ---------------- consumers: WGMMA, epilogue, publish ----------------
+    cutlass::arch::warpgroup_reg_alloc<224>();
+    const int ctid = threadIdx.x - 128;
+    typename CfgD::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(ctid);
+    Tensor sA = make_tensor(make_smem_ptr(smem.a), typename CfgD::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(smem.b), typename CfgD::SmemLayoutB{});
+    Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));
+    Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
+    Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<CfgD::BM>, Int<CfgD::BN>>{});
+    Tensor tCcD =
+        thr_mma.partition_C(make_identity_tensor(Shape<Int<CfgD::BM>, Int<CfgD::BN>>{}));
+    const int wg = warpgroup - 1;
+    gemm::EpilogueState es{wg, ctid % 128, int(get<0>(tCcD(0))) - 64 * wg,
+                           int(get<1>(tCcD(0))), 0};
+    gemm::RingPos ring;
+    for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
+      const ForwardTask task =
+          decode_pair_task(p.dgrad, p.dx, p.mb_tiles, t, used_tiles, k_dgrad, k_dx);
+      gemm::mma_task<CfgD>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
+                           task.tile.k_end, ring, es.wg_thread);
+      if (!task.fc2) {
+        gemm::tile_epilogue<CfgD>(smem, es, p.dgrad, task.tile, accum, true, tma_dh,
+                                  tma_dh_halves);
+        if (es.wg_thread == 0) publish_tile(dh_counter(p, task.tile.m_tile));
+      } else {
+        gemm::tile_epilogue<CfgX>(smem, es, p.dx, task.tile, accum, true, tma_dx, tma_dx);
+      }
+    }
+    if (es.wg_thread == 0) bulk_store_wait_all();
+  }
+
+  // The last CTA to leave zeroes the counters for the next launch.
+  int& last_cta = smem.task_id[0];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_cta = atomicAdd(p.counters + kExitCounter, 1) == int(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (last_cta) {
+    __threadfence();
+    const int n = forward_counters_size(p.dgrad.m_tiles);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) p.counters[i] = 0;
+  }
+#endif
+}
+
+}  // namespace megatron_mok::megakernel

@@ -1,0 +1,156 @@
+"""Backward megakernel, dgrad half (pull dy scaled -> fc2 dgrad + SwiGLU backward -> fc1
+dgrad in one launch, EP = 1; MOK_BACKWARD=megakernel) on the GPU: its outputs are the bits
+of the launch chain's pull_rows + dgrad_swiglu + rows_matmul, a whole training step's
+gradients are the chain's and within tolerance of the reference, and they do not depend
+on the minibatch or the run; a row that is never pulled becomes a watchdog error."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_mok import functional as mok
+from megatron_mok import grouped_gemm, kernel_backend, megakernel, ops
+from megatron_mok.config import MoKConfig
+from moe_inputs import make_moe_inputs, rel_l2
+
+pytestmark = pytest.mark.gpu
+
+KERNEL = MoKConfig(backend="kernel")
+
+
+@pytest.fixture(autouse=True)
+def _spread_forward(monkeypatch):
+    # The forward the backward follows: the EP = 1 default (spread, rows combined in place).
+    monkeypatch.setenv("MOK_FORWARD", "megakernel-spread")
+    monkeypatch.setenv("MOK_EP1_COMBINE", "rows")
+
+
+def _inputs(hidden=2048, inter=768, experts=16, topk=8, tokens=700, seed=0, shared=None):
+    return make_moe_inputs(num_tokens=tokens, hidden=hidden, inter=inter,
+                           num_local_experts=experts, topk=topk, shared_inter=shared, seed=seed,
+                           drop_fraction=0.05, device="cuda")
+
+
+def _training_step(inputs, dy, config=KERNEL):
+    """y and the gradients of every floating-point input of one forward + backward."""
+    leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
+              for k, v in inputs.items()}
+    y = mok.fused_moe(**leaves, config=config)
+    y.backward(dy)
+    names = [k for k in ("x", "topk_w", "w1", "w2", "shared_w1", "shared_w2") if k in leaves
+             and leaves[k] is not None]
+    return {"y": y.detach(), **{f"d_{k}": leaves[k].grad for k in names}}
+
+
+@pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (7168, 2048, 32, 8), (4096, 1024, 64, 10),
+                                   (1032, 520, 8, 4)])  # H, I not multiples of 64
+def test_outputs_are_the_launch_chains_bits(shape):
+    hidden, inter, experts, topk = shape
+    inputs = _inputs(hidden, inter, experts, topk, seed=3)
+    ws = mok.get_workspace(KERNEL, None, device="cuda", num_local_tokens=700,
+                           hidden_size=hidden, topk=topk, num_local_experts=experts)
+    sched = mok.build_schedule(ws, KERNEL, inputs["topk_idx"])
+    rows, cap = int(sched.num_rows.item()), ws.capacity
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dy = torch.randn(700, hidden, device="cuda", generator=gen).bfloat16()
+    h = torch.randn(cap, 2 * inter, device="cuda", generator=gen).bfloat16()
+    y_rows = torch.randn(cap, hidden, device="cuda", generator=gen).bfloat16()
+    w1, w2 = inputs["w1"].contiguous(), inputs["w2"].contiguous()
+    topk_w = inputs["topk_w"].float().contiguous()
+
+    # The chain: pull_rows (scaled, with dots), dgrad_swiglu, rows_matmul.
+    arena = ws.arena
+    arena.view("dy").copy_(dy)
+    arena.view("topk_w").copy_(topk_w)
+    d_out_ref = torch.full((cap, hidden), float("nan"), device="cuda").bfloat16()
+    dots_ref = torch.full((cap,), float("nan"), device="cuda")
+    ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out_ref,
+                  w_offset=arena.offset("topk_w"), saved=y_rows, dots=dots_ref)
+    d_h_ref = grouped_gemm.dgrad_swiglu(d_out_ref, w2, h, sched.expert_offsets, sched.num_rows)
+    dx_ref = grouped_gemm.rows_matmul(d_h_ref, w1, sched.expert_offsets, sched.num_rows,
+                                      w_transposed=True)
+
+    junk = torch.full((4, cap, max(hidden, 2 * inter)), float("nan"), device="cuda").bfloat16()
+    del junk  # the caching allocator hands these NaN blocks out next
+    d_out, dots, d_h, dx = megakernel.moe_backward(ws, sched, dy, topk_w, w1, w2, h, y_rows,
+                                                   minibatch_rows=256)
+    torch.cuda.synchronize()
+    assert torch.equal(d_out[:rows], d_out_ref[:rows])
+    assert torch.equal(dots[:rows], dots_ref[:rows])
+    assert torch.equal(d_h[:rows], d_h_ref[:rows])
+    assert torch.equal(dx[:rows], dx_ref[:rows])
+    assert torch.isfinite(dx[:rows].float()).all()
+
+
+def test_training_step_is_the_chains_and_near_the_reference(monkeypatch):
+    inputs = _inputs(1024, 512, 8, 4, tokens=640, seed=9, shared=256)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    calls = []
+    moe_backward = megakernel.moe_backward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("minibatch_rows"))
+        return moe_backward(*args, **kwargs)
+
+    monkeypatch.setattr(megakernel, "moe_backward", spy)
+    monkeypatch.setenv("MOK_BACKWARD", "megakernel")
+    fused = _training_step(inputs, dy)
+    assert calls == [kernel_backend.backward_minibatch()]  # the megakernel ran
+    monkeypatch.setenv("MOK_BACKWARD", "launches")
+    chain = _training_step(inputs, dy)
+    assert calls == [kernel_backend.backward_minibatch()]  # and the chain did not call it
+    for name in chain:
+        assert torch.equal(fused[name], chain[name]), name
+    ref = _training_step(inputs, dy, MoKConfig(backend="reference"))
+    for name in ref:
+        assert rel_l2(fused[name], ref[name]) < 1e-2, name
+
+
+@pytest.mark.parametrize("minibatch", [128, 512, 4096])
+def test_gradients_independent_of_minibatch_and_run(minibatch, monkeypatch):
+    inputs = _inputs(2048, 768, 16, 8, tokens=1500, seed=7)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    monkeypatch.setenv("MOK_BACKWARD", "megakernel")
+    monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", "2048")
+    base = _training_step(inputs, dy)
+    monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", str(minibatch))
+    for _ in range(2):
+        again = _training_step(inputs, dy)
+        for name in base:
+            assert torch.equal(again[name], base[name]), name
+
+
+_STUCK = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from megatron_mok import functional as mok, megakernel
+from megatron_mok.config import MoKConfig
+from moe_inputs import make_moe_inputs
+cfg = MoKConfig(backend="kernel")
+inputs = make_moe_inputs(num_tokens=512, hidden=1024, inter=512, num_local_experts=8, topk=4,
+                         seed=1, device="cuda")
+ws = mok.get_workspace(cfg, None, device="cuda", num_local_tokens=512, hidden_size=1024, topk=4,
+                       num_local_experts=8)
+sched = mok.build_schedule(ws, cfg, inputs["topk_idx"])
+cap = ws.capacity
+dy = torch.randn(512, 1024, device="cuda").bfloat16()
+h = torch.randn(cap, 1024, device="cuda").bfloat16()
+y_rows = torch.randn(cap, 1024, device="cuda").bfloat16()
+megakernel.moe_backward(ws, sched, dy, inputs["topk_w"], inputs["w1"], inputs["w2"], h, y_rows,
+                        minibatch_rows=256, hold_tile=1, timeout_ms=300)
+try:
+    mok.synchronize(ws)
+except RuntimeError as err:
+    print("ERROR:", err)
+"""
+
+
+def test_watchdog_reports_a_row_tile_that_is_never_pulled():
+    script = _STUCK.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert "stuck in the backward megakernel" in done.stdout, done.stdout + done.stderr
+    assert "row tile 1" in done.stdout, done.stdout
