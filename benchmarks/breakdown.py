@@ -3,9 +3,10 @@
     python -m benchmarks.breakdown [--shapes a,b] [--tokens 8192] [--iters 5] [--out DIR]
 
 For each shape (ep8-proxy, balanced routing) the layer's forward (autograd on) and its
-backward run `iters` times under torch.profiler; every CUDA kernel is put in a category
-(expert GEMMs of the core, the forward megakernel, row moves, combines, the shared
-expert's torch GEMMs, the schedule and other small ops) and its time summed per pass.
+backward (each after an unprofiled forward) run `iters` times under torch.profiler; every
+CUDA kernel is put in a category (expert GEMMs of the core, the megakernels, row moves,
+combines, the shared expert's torch GEMMs, the schedule and other small ops) and its
+time summed per pass.
 The pass's wall time (CUDA events, the same iterations) minus the summed kernel time is
 the GPU left idle between launches. The non-GEMM share is the most that fusing a pass
 into one launch can win at EP = 1 (docs/megakernel.md, "Plan for the backward
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # (category, substrings of the kernel name), first match wins; "other" catches the rest.
 CATEGORIES = (
-    ("megakernel", ("moe_forward_kernel", "megakernel")),
+    ("megakernel", ("moe_forward_kernel", "moe_backward_kernel", "megakernel")),
     ("expert gemm (core)", ("grouped_gemm_kernel",)),
     ("row moves", ("pull_rows", "push_rows", "gather_from_peers")),
     ("combine", ("combine",)),
@@ -60,22 +61,32 @@ def kernel_times(prof) -> dict:
     return dict(by_cat), dict(by_name)
 
 
-def profile_pass(run, iters: int) -> dict:
-    """Wall time (CUDA events) and kernel time per category of `run` per iteration."""
-    run()  # warm-up (workspace, autotune cache, lazy init)
+def profile_pass(run, iters: int, prepare=None) -> dict:
+    """Wall time (CUDA events) and kernel time per category of `run(prepare())` per
+    iteration; `prepare` (e.g. the forward a backward needs) runs outside the profile."""
+    prepare = prepare or (lambda: None)
+    run(prepare())  # warm-up (workspace, autotune cache, lazy init)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        start.record()
-        for _ in range(iters):
-            run()
-        end.record()
+    by_cat, by_name, wall = defaultdict(float), defaultdict(float), 0.0
+    for _ in range(iters):
+        arg = prepare()
         torch.cuda.synchronize()
-    wall = start.elapsed_time(end) / iters
-    by_cat, by_name = kernel_times(prof)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            start.record()
+            run(arg)
+            end.record()
+            torch.cuda.synchronize()
+        wall += start.elapsed_time(end)
+        cats, names = kernel_times(prof)
+        for k, v in cats.items():
+            by_cat[k] += v
+        for k, v in names.items():
+            by_name[k] += v
     by_cat = {k: v / iters for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     busy = sum(by_cat.values())
+    wall /= iters
     return {"wall_ms": wall, "kernel_ms": busy, "idle_ms": max(wall - busy, 0.0),
             "by_category_ms": by_cat, "top_kernels_ms": {k: v / iters for k, v in top}}
 
@@ -107,25 +118,15 @@ def main(argv=None) -> int:
             with torch.enable_grad():
                 return backend.run(inp)
 
-        fwd = profile_pass(forward, args.iters)
-        ys = []
+        fwd = profile_pass(lambda _: forward(), args.iters)
 
-        def backward():
+        def fresh_forward():
             for t in backend.leaves(inp):  # no gradient-accumulation kernels
                 t.grad = None
-            if not ys:
-                ys.append(forward())
-            torch.autograd.backward(ys.pop(), case.dy)
+            return forward()
 
-        # The backward's forward runs inside the profiled loop too; it is timed on its own
-        # above and subtracted here.
-        both = profile_pass(backward, args.iters)
-        bwd = {"wall_ms": both["wall_ms"] - fwd["wall_ms"],
-               "kernel_ms": both["kernel_ms"] - fwd["kernel_ms"],
-               "by_category_ms": {k: v - fwd["by_category_ms"].get(k, 0.0)
-                                  for k, v in both["by_category_ms"].items()},
-               "fwd_plus_bwd": both}
-        bwd["idle_ms"] = max(bwd["wall_ms"] - bwd["kernel_ms"], 0.0)
+        bwd = profile_pass(lambda y: torch.autograd.backward(y, case.dy), args.iters,
+                           prepare=fresh_forward)
         for pass_name, rec in (("fwd", fwd), ("bwd", bwd)):
             gemm = sum(v for k, v in rec["by_category_ms"].items()
                        if k in ("megakernel", "expert gemm (core)", "torch gemm"))

@@ -472,6 +472,8 @@ def test_layer_ep_harness_on_two_gloo_ranks(tmp_path):
 def test_breakdown_categories_name_our_kernels_and_torch_gemms():
     from benchmarks import breakdown
     assert breakdown.category("void megatron_mok::moe_forward_kernel<...>") == "megakernel"
+    assert breakdown.category("void megatron_mok::megakernel::moe_backward_kernel<>") == \
+        "megakernel"
     assert breakdown.category("void megatron_mok::gemm::grouped_gemm_kernel<Cfg>") == \
         "expert gemm (core)"
     assert breakdown.category("pull_rows_kernel") == "row moves"
