@@ -297,6 +297,8 @@ class MokBackend(Backend):
             # launch chain (megatron_mok.autotune.forward_plan).
             from megatron_mok import autotune
             self.info["mok_forward"] = os.environ.get("MOK_FORWARD", "auto")
+            self.info["mok_backward"] = os.environ.get("MOK_BACKWARD", "launches")
+            self.info["mok_ep1_combine"] = os.environ.get("MOK_EP1_COMBINE", "rows")
             cache = autotune.cache_file()
             self.info["autotune_cache"] = str(cache) if cache.exists() else None
 
