@@ -239,7 +239,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     # MOK_BACKWARD=megakernel (EP = 1, rows combined in place): pull, fc2 dgrad + SwiGLU
     # backward and fc1 dgrad in one launch, reading dy itself (nothing is published).
     fused = core == "mok" and megakernel.backward_path(
-        ws, hidden, saved.route_row is not None) == "megakernel"
+        ws, dy.dtype, saved.route_row is not None) == "megakernel"
     if not fused:
         arena.view("dy").copy_(dy)
         arena.view("topk_w").copy_(saved.topk_w)

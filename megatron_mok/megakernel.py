@@ -137,15 +137,16 @@ def backward_available() -> bool:
     return ops.extension_available() and hasattr(torch.ops.megatron_mok, "moe_backward")
 
 
-def backward_path(ws, hidden: int, in_place: bool) -> str:
+def backward_path(ws, dtype: torch.dtype, in_place: bool) -> str:
     """"megakernel" when MOK_BACKWARD asks for it and it can run here (built, EP = 1, the
-    combine reading rows in place, H <= MAX_HIDDEN), else "launches"."""
+    combine reading rows in place, bf16 gradients), else "launches". (Its row movers use
+    registers, not shared memory: no limit on H.)"""
     path = os.environ.get("MOK_BACKWARD", "launches")
     if path not in BACKWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_BACKWARD must be one of {BACKWARD_PATHS}, "
                          f"got {path!r}")
     if path == "megakernel" and backward_available() and ws.ep_size == 1 and in_place \
-            and hidden <= MAX_HIDDEN:
+            and dtype == torch.bfloat16:
         return path
     return "launches"
 
@@ -166,14 +167,11 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
         raise ValueError(f"megatron_mok: minibatch_rows must be a positive multiple of {TILE_M}, "
                          f"got {minibatch_rows}")
     rows, hidden = ws.capacity, dy.shape[1]
-    if hidden > MAX_HIDDEN:
-        raise ValueError(f"megatron_mok: the backward megakernel supports H <= {MAX_HIDDEN}, "
-                         f"got {hidden}")
-    inter = w1.shape[1] // 2
-    grouped_gemm._check_multiple_of_8(hidden=hidden, inter=inter)
     for name, t in (("dy", dy), ("w1", w1), ("w2", w2), ("h", h), ("y_rows", y_rows)):
         if t.dtype != torch.bfloat16 or not t.is_cuda or not t.is_contiguous():
             raise ValueError(f"megatron_mok: {name} must be a contiguous CUDA bfloat16 tensor")
+    inter = w1.shape[1] // 2
+    grouped_gemm._check_multiple_of_8(hidden=hidden, inter=inter)
     if h.shape != (rows, 2 * inter) or y_rows.shape != (rows, hidden):
         raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}] and y_rows "
                          f"[{rows}, {hidden}], got {tuple(h.shape)} and {tuple(y_rows.shape)}")

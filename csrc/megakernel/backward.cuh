@@ -31,7 +31,9 @@ struct BackwardParams {
   gemm::GemmParams dx;     // dx_rows = d_h @ w1[e]: N = H, K = 2I
   gemm::OperandShapes dgrad_shapes, dx_shapes;
   int mb_tiles;            // row tiles per minibatch
-  int* counters;           // forward_counters_size(m_tiles): pulled[m], dh_done[m], (unused)
+  // forward_counters_size(m_tiles): pulled[m], dh_done[m], (unused). The workspace's
+  // forward counters: the two megakernels must not overlap (they run on one stream).
+  int* counters;
   // Row j of the table holds route (peer_rank[j], peer_token[j], peer_k[j]), -1: padding.
   const int* peer_rank;
   const int* peer_token;
@@ -83,12 +85,13 @@ __device__ __forceinline__ uint4 bwd_scale8(const uint4& a, float w) {
 
 // pull_rows runs a row on 256 threads: thread i sums the dots of vectors i, i + 256, ...
 // in order, each warp reduces with an xor butterfly and thread 0 adds the 8 warp sums in
-// order. One warp reproduces that, one virtual warp q at a time: lane l sums the vectors
-// of virtual thread 32 q + l in order, the butterfly leaves the same bits in every lane
-// (a + b == b + a), and the 8 sums are added in order. Each pass also writes its vectors
-// of d_out, so the row is read once.
+// order. One warp reproduces that, kVirtualGroup virtual warps q at a time: lane l sums the
+// vectors of virtual thread 32 q + l in order (their loads issued together), the butterfly
+// leaves the same bits in every lane (a + b == b + a), and the 8 sums are added in order.
+// Each vector is read once and its scaled copy written in the same pass. (Eight partial
+// sums at once, or four with their loads, spill the producer's 56 registers; two do not.)
 constexpr int kPullVirtualWarps = 8;  // pull_rows' 256 threads
-constexpr int kBwdPullUnroll = 2;     // vectors of dy and y in flight per lane
+constexpr int kVirtualGroup = 2;      // virtual warps per pass: 2 dy + 2 y vectors in flight
 
 __device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64_t j, int lane) {
   const int n = p.row_vecs;
@@ -106,31 +109,37 @@ __device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64
   constexpr int kStride = 32 * kPullVirtualWarps;  // pull_rows' thread count
   float total = 0.f;
 #pragma unroll 1
-  for (int q = 0; q < kPullVirtualWarps; ++q) {
-    float part = 0.f;
-#pragma unroll 1
-    for (int base = 32 * q + lane; base < n; base += kStride * kBwdPullUnroll) {
-      uint4 a[kBwdPullUnroll], b[kBwdPullUnroll];
+  for (int q0 = 0; q0 < kPullVirtualWarps; q0 += kVirtualGroup) {
+    float part[kVirtualGroup];
 #pragma unroll
-      for (int u = 0; u < kBwdPullUnroll; ++u) {
-        const int v = base + kStride * u;
+    for (int g = 0; g < kVirtualGroup; ++g) part[g] = 0.f;
+#pragma unroll 1
+    for (int base = 32 * q0 + lane; base < n; base += kStride) {
+      uint4 a[kVirtualGroup], b[kVirtualGroup];
+#pragma unroll
+      for (int g = 0; g < kVirtualGroup; ++g) {
+        const int v = base + 32 * g;
         if (v < n) {
-          a[u] = __ldg(src + v);
-          b[u] = __ldg(saved + v);
+          a[g] = __ldg(src + v);
+          b[g] = __ldg(saved + v);
         }
       }
 #pragma unroll
-      for (int u = 0; u < kBwdPullUnroll; ++u) {
-        const int v = base + kStride * u;
+      for (int g = 0; g < kVirtualGroup; ++g) {
+        const int v = base + 32 * g;
         if (v < n) {
-          part += bwd_dot8(a[u], b[u]);
-          dst[v] = bwd_scale8(a[u], w);
+          part[g] += bwd_dot8(a[g], b[g]);
+          dst[v] = bwd_scale8(a[g], w);
         }
       }
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-    total += part;
+    for (int g = 0; g < kVirtualGroup; ++g) {
+      float s = part[g];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      total += s;
+    }
   }
   if (lane == 0) p.dots[j] = total;
 }
@@ -240,6 +249,8 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
     for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
       const ForwardTask task =
           decode_pair_task(p.dgrad, p.dx, p.mb_tiles, t, used_tiles, k_dgrad, k_dx);
+      // As the standalone dgrad launch does: ask L2 for the tile's h before the mainloop.
+      if (!task.fc2) gemm::prefetch_h<CfgD>(p.dgrad, task.tile, ctid);
       gemm::mma_task<CfgD>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
                            task.tile.k_end, ring, es.wg_thread);
       if (!task.fc2) {
