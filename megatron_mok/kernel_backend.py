@@ -236,11 +236,12 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     arena, topk = ws.arena, ws.topk
     num_tokens, hidden = dy.shape
     core = gemm_core()
-    # MOK_BACKWARD=megakernel (EP = 1, rows combined in place): pull, fc2 dgrad + SwiGLU
-    # backward and fc1 dgrad in one launch, reading dy itself (nothing is published).
+    # MOK_BACKWARD=megakernel: pull, fc2 dgrad + SwiGLU backward and fc1 dgrad in one
+    # launch; at EP = 1 it reads dy itself (nothing is published), at EP > 1 it pulls from
+    # the peers' arenas and writes the owners' slots (no push launch).
     fused = core == "mok" and megakernel.backward_path(
         ws, dy.dtype, saved.route_row is not None) == "megakernel"
-    if not fused:
+    if not fused or ws.ep_size > 1:
         arena.view("dy").copy_(dy)
         arena.view("topk_w").copy_(saved.topk_w)
     d_shared = (None, None, None)
@@ -261,7 +262,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         saved.x_rows = _gather_rows(saved.x, sched)
     if not fused:
         d_h, dx_rows = _dgrad_launches(core, sched, saved, d_out, offs)
-    if saved.route_row is None:
+    if saved.route_row is None and not fused:  # the megakernel wrote the slots itself
         ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk,
                       scalars=dots, scalar_offset=arena.offset("d_topk_w"))
     # Weight gradients: tokens are K, in row-table order; one GEMM owns each output tile.

@@ -129,7 +129,7 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
 
 
 # MOK_BACKWARD: "launches" (v1's chain, the default until the megakernel is measured) or
-# "megakernel" (the dgrad half in one launch; EP = 1 with the in-place combine only).
+# "megakernel" (the dgrad half in one launch).
 BACKWARD_PATHS = ("launches", "megakernel")
 
 
@@ -138,31 +138,34 @@ def backward_available() -> bool:
 
 
 def backward_path(ws, dtype: torch.dtype, in_place: bool) -> str:
-    """"megakernel" when MOK_BACKWARD asks for it and it can run here (built, EP = 1, the
-    combine reading rows in place, bf16 gradients), else "launches". (Its row movers use
-    registers, not shared memory: no limit on H.)"""
+    """"megakernel" when MOK_BACKWARD asks for it and it can run here (built, bf16
+    gradients; at EP = 1 with the combine reading rows in place, at EP > 1 with the slots),
+    else "launches". (Its row movers use registers, not shared memory: no limit on H.)"""
     path = os.environ.get("MOK_BACKWARD", "launches")
     if path not in BACKWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_BACKWARD must be one of {BACKWARD_PATHS}, "
                          f"got {path!r}")
-    if path == "megakernel" and backward_available() and ws.ep_size == 1 and in_place \
-            and dtype == torch.bfloat16:
+    if path == "megakernel" and backward_available() and dtype == torch.bfloat16 \
+            and in_place == (ws.ep_size == 1):
         return path
     return "launches"
 
 
-def moe_backward(ws, sched, dy: torch.Tensor, topk_w: torch.Tensor, w1: torch.Tensor,
-                 w2: torch.Tensor, h: torch.Tensor, y_rows: torch.Tensor, *,
+def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
+                 w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, y_rows: torch.Tensor, *,
                  minibatch_rows: int, hold_tile: int = -1,
                  timeout_ms: Optional[int] = None):
-    """(d_out, dots, d_h, dx_rows) of the routed experts' data gradients at EP = 1 in one
-    persistent launch (csrc/megakernel/backward.cuh), bitwise those of the launch chain:
-    d_out = dy rows scaled by their router weight (pull_rows), dots = <dy, y_row> per row,
-    d_h = fc2 dgrad with the SwiGLU backward (from the saved h), dx_rows = fc1 dgrad. The
-    combine reads dx_rows in place (ops.combine_rows); the weight gradients are the core's
-    wgrad launches."""
-    if ws.ep_size != 1:
-        raise ValueError("megatron_mok: the backward megakernel runs at EP = 1 only")
+    """(d_out, dots, d_h, dx_rows) of the routed experts' data gradients in one persistent
+    launch (csrc/megakernel/backward.cuh), bitwise those of the launch chain: d_out = dy
+    rows scaled by their router weight (pull_rows), dots = <dy, y_row> per row, d_h = fc2
+    dgrad with the SwiGLU backward (from the saved h), dx_rows = fc1 dgrad; the weight
+    gradients stay the core's wgrad launches.
+
+    EP = 1: reads dy and topk_w directly; the combine reads dx_rows in place
+    (ops.combine_rows) and d_topk_w from dots. EP > 1: every rank has published its dy and
+    router weights in the arena ("dy", "topk_w") and passed a barrier; the kernel pulls
+    from the peers and writes dx rows and dots into their owners' "slots" / "d_topk_w"
+    (as push_rows does); dx_rows is then not written (None); topk_w is unused."""
     if minibatch_rows < TILE_M or minibatch_rows % TILE_M:
         raise ValueError(f"megatron_mok: minibatch_rows must be a positive multiple of {TILE_M}, "
                          f"got {minibatch_rows}")
@@ -175,17 +178,19 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
     if h.shape != (rows, 2 * inter) or y_rows.shape != (rows, hidden):
         raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}] and y_rows "
                          f"[{rows}, {hidden}], got {tuple(h.shape)} and {tuple(y_rows.shape)}")
+    arena, local = ws.arena, ws.ep_size == 1
     d_out = dy.new_empty(rows, hidden)
     dots = torch.empty(rows, dtype=torch.float32, device=dy.device)
     d_h = dy.new_empty(rows, 2 * inter)
     dx_rows = dy.new_empty(rows, hidden)
     torch.ops.megatron_mok.moe_backward(
-        dy, topk_w.float().contiguous(), sched.peer_rank, sched.peer_token, sched.peer_k,
-        sched.expert_offsets, sched.num_rows, w1, w2, h, y_rows, d_out, dots, d_h, dx_rows,
-        ws.forward_counters, ws.arena.watchdog,
-        ws.arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, minibatch_rows,
-        hold_tile)
-    return d_out, dots, d_h, dx_rows
+        arena.peer_base, arena.offset("dy"), arena.offset("topk_w"), dy if local else None,
+        topk_w.float().contiguous() if local else None, ws.topk, sched.peer_rank,
+        sched.peer_token, sched.peer_k, sched.expert_offsets, sched.num_rows, w1, w2, h,
+        y_rows, d_out, dots, d_h, dx_rows, ws.forward_counters, arena.watchdog,
+        arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
+        minibatch_rows, not local, arena.offset("slots"), arena.offset("d_topk_w"), hold_tile)
+    return d_out, dots, d_h, (dx_rows if local else None)
 
 
 # Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first

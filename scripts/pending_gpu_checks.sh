@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks pending since 2026-12-03 night, in calls of under 10 minutes on an H200
 # with the extension built. Results under ${OUT:-gpu_out}/.
-#   PART=tests: the backward megakernel's tests (never run yet), the whole forward
+#   PART=tests: the backward megakernel's tests (never run yet; EP = 1, then the EP rank
+#     tests with MOK_BACKWARD=megakernel), the whole forward
 #     megakernel suite (spread mode's across-minibatch case failed on a test bug fixed in
 #     b1816a7), and the v1 GPU suite on the spread default (the last 3 tests were cut by a
 #     time limit at ae2330e).
@@ -25,6 +26,11 @@ if [ "$part" = tests ]; then
   timeout 170 $PY -m pytest -q -ra -m gpu tests/test_extension.py tests/test_gpu_backend.py \
     > "$OUT/test_v1.log" 2>&1
   grep -E "^FAILED|passed|failed" "$OUT/test_v1.log" | head -5
+  # EP = 2/4/8 as processes on one GPU with the backward megakernel (pulls from the peers'
+  # arenas, writes their slots): gradients vs the reference.
+  MOK_BACKWARD=megakernel timeout 150 $PY -m pytest -q -ra -m gpu tests/test_gpu_backend.py \
+    -k ep_ranks > "$OUT/test_ep_backward.log" 2>&1
+  grep -E "^FAILED|passed|failed" "$OUT/test_ep_backward.log" | head -5
   exit 0
 fi
 for bwd in launches megakernel; do

@@ -1,4 +1,4 @@
-// Host side of the backward megakernel (dgrad half, EP = 1): argument checks, the TMA
+// Host side of the backward megakernel (dgrad half): argument checks, the TMA
 // descriptors of fc2 dgrad (+ SwiGLU backward) and fc1 dgrad, one cooperative launch over
 // every SM. Reads the row count and the expert offsets on the device: no host sync.
 
@@ -27,15 +27,27 @@ void check_rows_table(const at::Tensor& t, const char* name, int64_t numel) {
               " entries");
 }
 
-void moe_backward(const at::Tensor& dy, const at::Tensor& topk_w, const at::Tensor& peer_rank,
-                  const at::Tensor& peer_token, const at::Tensor& peer_k,
-                  const at::Tensor& offsets, const at::Tensor& num_rows, const at::Tensor& w1,
-                  const at::Tensor& w2, const at::Tensor& h, const at::Tensor& y_rows,
-                  const at::Tensor& d_out, const at::Tensor& dots, const at::Tensor& d_h,
-                  const at::Tensor& dx_rows, const at::Tensor& counters,
-                  const at::Tensor& watchdog, int64_t timeout_ms, int64_t minibatch_rows,
-                  int64_t hold_tile) {
-  check_bf16_cuda(dy, "dy", 2);
+// dy_local / topk_w_local (EP = 1): this rank's; else the peers' arena at dy_offset /
+// w_offset. scatter (EP > 1): dx rows and dots into the owners' slots / d_topk_w slots.
+void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offset,
+                  const std::optional<at::Tensor>& dy_local,
+                  const std::optional<at::Tensor>& topk_w_local, int64_t topk,
+                  const at::Tensor& peer_rank, const at::Tensor& peer_token,
+                  const at::Tensor& peer_k, const at::Tensor& offsets, const at::Tensor& num_rows,
+                  const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& h,
+                  const at::Tensor& y_rows, const at::Tensor& d_out, const at::Tensor& dots,
+                  const at::Tensor& d_h, const at::Tensor& dx_rows, const at::Tensor& counters,
+                  const at::Tensor& watchdog, int64_t timeout_ms, int64_t rank,
+                  int64_t minibatch_rows, bool scatter, int64_t slots_offset,
+                  int64_t dtopk_offset, int64_t hold_tile) {
+  TORCH_CHECK(dy_local.has_value() == topk_w_local.has_value(),
+              "megatron_mok: pass dy and topk_w both local (EP = 1) or both through the arena");
+  TORCH_CHECK(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong && peer_base.dim() == 1,
+              "megatron_mok: peer_base must be a CUDA int64 vector");
+  TORCH_CHECK(dy_offset % 16 == 0 && w_offset % 4 == 0 && slots_offset % 16 == 0 &&
+                  dtopk_offset % 4 == 0,
+              "megatron_mok: symmetric offsets must be aligned (16 bytes for rows)");
+  TORCH_CHECK(topk >= 1, "megatron_mok: topk must be positive");
   check_bf16_cuda(w1, "w1", 3);
   check_bf16_cuda(w2, "w2", 3);
   check_bf16_cuda(h, "h", 2);
@@ -44,8 +56,14 @@ void moe_backward(const at::Tensor& dy, const at::Tensor& topk_w, const at::Tens
   check_bf16_cuda(d_h, "d_h", 2);
   check_bf16_cuda(dx_rows, "dx_rows", 2);
   const int64_t R = d_out.size(0), H = d_out.size(1), E = w1.size(0), I = w1.size(1) / 2;
-  const int64_t T = dy.size(0);
-  TORCH_CHECK(dy.size(1) == H, "megatron_mok: dy must be [T, H]");
+  if (dy_local.has_value()) {
+    check_bf16_cuda(*dy_local, "dy", 2);
+    TORCH_CHECK(dy_local->size(1) == H, "megatron_mok: dy must be [T, H]");
+    const at::Tensor& w = *topk_w_local;
+    TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kFloat && w.dim() == 2 &&
+                    w.size(0) == dy_local->size(0) && w.size(1) == topk && w.is_contiguous(),
+                "megatron_mok: topk_w must be a contiguous CUDA float32 [T, topk] tensor");
+  }
   TORCH_CHECK(w1.size(1) == 2 * I && w1.size(2) == H, "megatron_mok: w1 must be [E, 2I, H]");
   TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I,
               "megatron_mok: w2 must be [E, H, I]");
@@ -54,9 +72,6 @@ void moe_backward(const at::Tensor& dy, const at::Tensor& topk_w, const at::Tens
   TORCH_CHECK(y_rows.sizes() == d_out.sizes() && dx_rows.sizes() == d_out.sizes(),
               "megatron_mok: y_rows, d_out and dx_rows must be [rows, H]");
   TORCH_CHECK(R % 128 == 0, "megatron_mok: the row table must hold a multiple of 128 rows");
-  TORCH_CHECK(topk_w.is_cuda() && topk_w.scalar_type() == at::kFloat && topk_w.dim() == 2 &&
-                  topk_w.size(0) == T && topk_w.is_contiguous(),
-              "megatron_mok: topk_w must be a contiguous CUDA float32 [T, topk] tensor");
   TORCH_CHECK(dots.is_cuda() && dots.scalar_type() == at::kFloat && dots.numel() == R &&
                   dots.is_contiguous(),
               "megatron_mok: dots must be a contiguous CUDA float32 tensor of rows entries");
@@ -71,8 +86,8 @@ void moe_backward(const at::Tensor& dy, const at::Tensor& topk_w, const at::Tens
               "megatron_mok: watchdog must be a pinned int64 tensor of 8 entries");
   TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
               "megatron_mok: minibatch_rows must be a positive multiple of 128");
-  c10::cuda::CUDAGuard guard(dy.device());
-  const int sms = num_sms(dy.get_device());
+  c10::cuda::CUDAGuard guard(d_out.device());
+  const int sms = num_sms(d_out.get_device());
 
   BackwardParams p{};
   p.dgrad = rows_params(offsets, num_rows, R, I, H, CfgD::BN);
@@ -85,14 +100,20 @@ void moe_backward(const at::Tensor& dy, const at::Tensor& topk_w, const at::Tens
   p.peer_rank = peer_rank.data_ptr<int>();
   p.peer_token = peer_token.data_ptr<int>();
   p.peer_k = peer_k.data_ptr<int>();
-  p.dy = reinterpret_cast<const uint4*>(dy.data_ptr());
-  p.topk_w = topk_w.data_ptr<float>();
+  p.dy = dy_local.has_value() ? reinterpret_cast<const uint4*>(dy_local->data_ptr()) : nullptr;
+  p.topk_w = topk_w_local.has_value() ? topk_w_local->data_ptr<float>() : nullptr;
+  p.peer_base = peer_base.data_ptr<int64_t>();
+  p.dy_offset = dy_offset;
+  p.w_offset = w_offset;
+  p.scatter = scatter;
+  p.slots_offset = slots_offset;
+  p.dtopk_offset = dtopk_offset;
   p.y_rows = reinterpret_cast<const uint4*>(y_rows.data_ptr());
   p.d_out = reinterpret_cast<uint4*>(d_out.data_ptr());
   p.dots = dots.data_ptr<float>();
-  p.topk = int(topk_w.size(1));
+  p.topk = int(topk);
   p.row_vecs = int(H / 8);
-  p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, 0};
+  p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
   p.hold_tile = int(hold_tile);
   if (R == 0) return;
 

@@ -38,8 +38,16 @@ struct BackwardParams {
   const int* peer_rank;
   const int* peer_token;
   const int* peer_k;
-  const uint4* dy;         // [T, H] bf16 (EP = 1: this rank's)
-  const float* topk_w;     // [T, topk] router weights
+  // dy rows and router weights: this rank's (EP = 1), or the peers' published arena
+  // "dy" / "topk_w" through the symmetric-memory bases (EP > 1; dy, topk_w nullptr).
+  const uint4* dy;         // [T, H] bf16
+  const float* topk_w;     // [T, topk]
+  const int64_t* peer_base;
+  int64_t dy_offset, w_offset;
+  // scatter (EP > 1): dx rows and dots go to their owners' (token, k) slots and d_topk_w
+  // slots, as push_rows does; otherwise dx rows stay in place (EP = 1 combine_rows).
+  bool scatter;
+  int64_t slots_offset, dtopk_offset;
   const uint4* y_rows;     // [rows, H] the forward's expert rows (dots)
   uint4* d_out;            // [rows, H] dy rows scaled by their router weight (A of fc2 dgrad)
   float* dots;             // [rows] <dy[token], y_rows[j]>
@@ -103,8 +111,12 @@ __device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64
     return;
   }
   const int64_t token = __ldg(p.peer_token + j);
-  const float w = __ldg(p.topk_w + token * p.topk + __ldg(p.peer_k + j));
-  const uint4* src = p.dy + token * n;
+  const int64_t route = token * p.topk + __ldg(p.peer_k + j);
+  const float w = p.topk_w != nullptr ? __ldg(p.topk_w + route)
+                                      : peer_ptr<const float>(p.peer_base, rank, p.w_offset)[route];
+  const uint4* src = (p.dy != nullptr ? p.dy
+                                      : peer_ptr<const uint4>(p.peer_base, rank, p.dy_offset)) +
+                     token * n;
   const uint4* saved = p.y_rows + j * n;
   constexpr int kStride = 32 * kPullVirtualWarps;  // pull_rows' thread count
   float total = 0.f;
@@ -141,7 +153,11 @@ __device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64
       total += s;
     }
   }
-  if (lane == 0) p.dots[j] = total;
+  if (lane == 0) {
+    p.dots[j] = total;
+    // EP > 1: into the owner's d_topk_w slot, as push_rows' scalars (read after the barrier).
+    if (p.scatter) peer_ptr<float>(p.peer_base, rank, p.dtopk_offset)[route] = total;
+  }
 }
 
 // Producer warps 1..3 of every CTA: rows g, g + G, ... of the table (G = 3 x #CTAs), each
@@ -257,6 +273,8 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
         gemm::tile_epilogue<CfgD>(smem, es, p.dgrad, task.tile, accum, true, tma_dh,
                                   tma_dh_halves);
         if (es.wg_thread == 0) publish_tile(dh_counter(p, task.tile.m_tile));
+      } else if (p.scatter) {  // EP > 1: dx rows into their owners' slots
+        scatter_rows_epilogue<CfgX>(smem, es, p, p.dx, task.tile, accum, tma_dx, false);
       } else {
         gemm::tile_epilogue<CfgX>(smem, es, p.dx, task.tile, accum, true, tma_dx, tma_dx);
       }

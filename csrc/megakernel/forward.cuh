@@ -18,7 +18,7 @@
 //                           completed.
 //   Direct mode (EP = 1, num_comm = 0): no comm CTAs; fc1's producer warpgroup gathers its
 //                           rows from x itself (gather_fc1_task) and fc2's epilogue writes
-//                           the slots (scatter_fc2_epilogue); only fc1 -> fc2 is waited on.
+//                           the slots (scatter_rows_epilogue); only fc1 -> fc2 is waited on.
 //
 // Every output tile has one owner and a fixed K order and the copies move bytes unchanged,
 // so the result is bitwise independent of num_comm, the minibatch and the grid. Tasks are
@@ -527,18 +527,20 @@ __device__ __forceinline__ void arrive_for_task(Storage& smem, const gemm::Task&
   }
 }
 
-// Direct mode, fc2 epilogue of one consumer warpgroup: each staged 64 x 64 chunk goes
+// Direct/spread mode's fc2 epilogue (and the backward megakernel's fc1-dgrad one at
+// EP > 1), one consumer warpgroup: each staged 64 x 64 chunk of output rows (GEMM g) goes
 // straight from shared memory to the (token, k) slots of the rows' owners (16-byte stores;
-// thread t copies column piece t % 8 of rows t / 8 + 16 i), and to y_rows by TMA when the
-// backward needs them.
-template <class Cfg, class Storage, class Acc, class TmaO>
-__device__ __forceinline__ void scatter_fc2_epilogue(Storage& smem, gemm::EpilogueState& es,
-                                                     const ForwardParams& p, const gemm::Task& task,
-                                                     Acc& accum, const TmaO& tma_y) {
+// thread t copies column piece t % 8 of rows t / 8 + 16 i), and to the rows' buffer by TMA
+// when store_rows (the backward needs them). P: the params with the row table
+// (peer_rank, peer_token, peer_k), topk, peer_base and slots_offset.
+template <class Cfg, class P, class Storage, class Acc, class TmaO>
+__device__ __forceinline__ void scatter_rows_epilogue(Storage& smem, gemm::EpilogueState& es,
+                                                      const P& p, const gemm::GemmParams& g,
+                                                      const gemm::Task& task, Acc& accum,
+                                                      const TmaO& tma_y, bool store_rows) {
   using namespace cute;
   constexpr int BN = Cfg::BN, CW = Cfg::kChunkCols;
   static_assert(CW == 64, "bf16 chunks of 64 columns: 8 pieces of 16 bytes per row");
-  const gemm::GemmParams& g = p.fc2;
   Tensor mO = tma_y.get_tma_tensor(make_shape(g.rows_cap, g.N, 1));
   const int piece = es.wg_thread % 8;
   const int64_t row0 = int64_t(task.m_tile) * 128 + 64 * es.wg + es.wg_thread / 8;
@@ -565,7 +567,7 @@ __device__ __forceinline__ void scatter_fc2_epilogue(Storage& smem, gemm::Epilog
       gemm::emit_chunk<Cfg>(smem, es, tma_y, mO, 2 * task.m_tile + es.wg,
                             task.n_tile * (BN / CW) + q, 0, q * (CW / 8),
                             [&](int i) { return make_float2(accum(i), accum(i + 1)); }, scatter,
-                            p.store_y);
+                            store_rows);
     }
   }
 }
@@ -723,7 +725,7 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
           gemm::tile_epilogue<Cfg1>(smem, es, p.fc1, task.tile, accum, true, tma_act, tma_h);
           if (es.wg_thread == 0) publish_tile(fc1_counter(p, task.tile.m_tile));
         } else if ((p.direct || p.spread) && p.scatter) {
-          scatter_fc2_epilogue<Cfg2>(smem, es, p, task.tile, accum, tma_y);
+          scatter_rows_epilogue<Cfg2>(smem, es, p, p.fc2, task.tile, accum, tma_y, p.store_y);
         } else {
           gemm::tile_epilogue<Cfg2>(smem, es, p.fc2, task.tile, accum, true, tma_y, tma_y);
           pending_fc2 = task.tile.m_tile;
