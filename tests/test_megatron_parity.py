@@ -77,6 +77,12 @@ def _parity_fn(rank, ep_size, shared):
     assert not any(isinstance(m, MokMoELayer) for m in ref.modules())
     # Same parameter names and shapes: alltoall's weights load as they are.
     mok.load_state_dict(ref.state_dict(), strict=True)
+    # ... into memory that keeps each weight's experts back to back: read without a copy.
+    from megatron_mok.megatron.expert_weights import stacked_alias
+    from megatron_mok.megatron.layer import expert_weight_list
+    for layer in (m for m in mok.modules() if isinstance(m, MokMoELayer)):
+        for weights in expert_weight_list(layer.experts):
+            assert stacked_alias(weights) is not None
     loss_ref, loss_mok = _loss(ref), _loss(mok)
     loss_ref.backward()
     loss_mok.backward()

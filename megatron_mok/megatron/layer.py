@@ -3,7 +3,8 @@
 Router, aux losses, shared experts and recompute are MoELayer's own. The experts
 module is the one Megatron's spec builds (SequentialMLP or TEGroupedMLP), kept for
 its parameters only, so checkpoints move between `alltoall`/`flex` and `mok` both
-ways. Every configuration the fused pass does not implement fails here, naming
+ways; their data is laid back to back per weight (expert_weights) so that the fused
+pass reads them stacked without copying them every forward. Every configuration the fused pass does not implement fails here, naming
 the flag; nothing falls back silently.
 """
 
@@ -20,6 +21,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
+from megatron_mok.megatron.expert_weights import share_one_storage, stack_experts
 
 # (config attribute, unsupported when, Megatron flag to change)
 _UNSUPPORTED = (
@@ -87,12 +89,16 @@ class MokMoELayer(MoELayer):
         self.token_dispatcher = MokTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config,
             pg_collection=pg_collection)
-        expert_weight_list(self.experts)  # fail at construction on an unknown expert module
+        # Fail at construction on an unknown expert module; lay each weight's experts back
+        # to back so that the fused pass reads them stacked without a copy.
+        fc1, fc2 = expert_weight_list(self.experts)
+        share_one_storage(fc1)
+        share_one_storage(fc2)
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
         fc1, fc2 = expert_weight_list(self.experts)
         output = fused_moe(
             hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
-            torch.stack(fc1), torch.stack(fc2), group=self.ep_group, config=self.mok_config)
+            stack_experts(fc1), stack_experts(fc2), group=self.ep_group, config=self.mok_config)
         return output, None
