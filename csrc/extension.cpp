@@ -75,7 +75,8 @@ TORCH_LIBRARY(megatron_mok, m) {
   // hold_tile >= 0 (tests): the last mover warp never publishes that tile's pull, so the
   // watchdog must fire.
   // probe (optional int64 [num_sms, 16]): per-CTA cycle sums (megakernel/forward.cuh).
-  // scatter = false (direct mode): y_rows only, no (t, k) slots (combine_rows reads them).
+  // scatter = false (direct or spread mode, EP = 1): y_rows only, no (t, k) slots
+  // (combine_rows reads them in place).
   m.def("moe_forward(Tensor peer_base, int x_offset, Tensor? x_local, int slots_offset, "
         "Tensor peer_rank, Tensor peer_token, Tensor peer_k, Tensor expert_offsets, "
         "Tensor num_rows, int topk, Tensor w1, Tensor w2, Tensor(a!) x_rows, Tensor(b!) act, "

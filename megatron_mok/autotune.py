@@ -1,12 +1,13 @@
 """Per (GPU, shape) choice of the forward path and its knobs, measured once and cached.
 
 The kernel backend's forward can run as v1's launch chain or as the forward megakernel
-(direct mode at EP = 1; comm CTAs at EP > 1, with comm SMs x minibatch knobs). Which one
-is fastest depends on the shape and the GPU (docs/megakernel.md, "Measured"), so
+(spread, direct or comm mode, with comm SMs x minibatch knobs). Which one is fastest
+depends on the shape and the GPU (docs/megakernel.md, "Measured"), so
 `tune()` times the candidates on a real workspace and stores the fastest under a key of
 the GPU name and the shape; `forward_plan()` (called by every kernel-backend forward)
 uses a cached plan when there is one. Precedence: MOK_FORWARD in the environment, then
-the cache (MoKConfig.autotune), then the launch chain with the config's knobs.
+the cache (MoKConfig.autotune), then the default with the config's knobs (the spread
+megakernel at EP = 1 where it runs, else the launch chain).
 
 Cache: JSON at $MOK_AUTOTUNE_CACHE (default ~/.cache/megatron_mok/autotune.json), read
 once per process. Fill it with `python -m benchmarks.autotune` or by calling `tune()`.

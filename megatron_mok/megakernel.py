@@ -42,8 +42,9 @@ def runnable(hidden: int) -> bool:
 
 
 def forward_path(hidden: Optional[int] = None) -> str:
-    """"launches" (v1: one launch per step, the default) or "megakernel" (when asked for
-    with MOK_FORWARD=megakernel, built, and H <= MAX_HIDDEN)."""
+    """The path MOK_FORWARD asks for ("launches" when unset), or "launches" when a
+    megakernel path is asked for but not built or H > MAX_HIDDEN. (Without MOK_FORWARD
+    the default comes from autotune.forward_plan: spread at EP = 1.)"""
     path = os.environ.get("MOK_FORWARD", "launches")
     if path not in FORWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_FORWARD must be one of {FORWARD_PATHS}, got {path!r}")
@@ -88,9 +89,9 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     if direct and ws.ep_size != 1:
         raise ValueError("megatron_mok: the direct megakernel runs at EP = 1 only")
     spread = not direct and num_comm_sms == 0
-    if not scatter and not (direct or spread):
-        raise ValueError("megatron_mok: only the direct and spread megakernels can skip the "
-                         "slots")
+    if not scatter and (not (direct or spread) or ws.ep_size != 1):
+        raise ValueError("megatron_mok: only the direct and spread megakernels at EP = 1 can "
+                         "skip the slots (the combine reads the rows in place)")
     if ring_rows is not None and (direct or spread or ring_rows % TILE_M
                                   or ring_rows < minibatch_rows or ring_rows > ws.capacity):
         raise ValueError(f"megatron_mok: an x_rows ring needs comm CTAs and whole tiles between "

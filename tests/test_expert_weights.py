@@ -62,3 +62,13 @@ def test_mismatched_parameters_are_left_alone():
     before = [p.data_ptr() for p in params]
     assert not share_one_storage(params)
     assert [p.data_ptr() for p in params] == before
+
+
+def test_dtensor_like_subclasses_fall_back_to_a_copy():
+    class Wrapped(torch.Tensor):  # a tensor subclass stands in for DTensor here
+        pass
+
+    params = [torch.nn.Parameter(torch.randn(3, 4).as_subclass(Wrapped)) for _ in range(3)]
+    assert not share_one_storage(params)
+    assert stacked_alias(params) is None
+    assert torch.equal(stack_experts(params), torch.stack([p.detach() for p in params]))

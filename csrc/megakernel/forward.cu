@@ -121,8 +121,9 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
               " comm SMs (0 in direct mode), got ", num_comm);
   const bool spread = !direct && num_comm == 0;
   TORCH_CHECK(!spread || ring_rows == R, "megatron_mok: an x_rows ring needs comm CTAs");
-  TORCH_CHECK(direct || spread || scatter,
-              "megatron_mok: only the direct and spread megakernels can skip the slots");
+  TORCH_CHECK(scatter || ((direct || spread) && x_local.has_value()),
+              "megatron_mok: only the direct and spread megakernels at EP = 1 can skip the "
+              "slots");
   // MOK_MOVER_WARPS is an upper bound: rows too long for that many movers' slots get fewer.
   int warps = direct || spread ? 1 : mover_warps();
   while (warps > 1 && megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps) == 0) warps /= 2;

@@ -25,9 +25,12 @@ import torch
 
 
 def _uniform(params: Sequence[torch.Tensor]) -> bool:
+    """Plain dense tensors (no DTensor or other subclass: their storage is not theirs) of
+    one shape, dtype and device."""
     first = params[0]
-    return all(p.shape == first.shape and p.dtype == first.dtype and p.device == first.device
-               and p.is_contiguous() for p in params)
+    return all(type(p.data) is torch.Tensor and p.layout == torch.strided
+               and p.shape == first.shape and p.dtype == first.dtype
+               and p.device == first.device and p.is_contiguous() for p in params)
 
 
 def share_one_storage(params: Sequence[torch.nn.Parameter]) -> bool:

@@ -4,12 +4,14 @@ Router, aux losses, shared experts and recompute are MoELayer's own. The experts
 module is the one Megatron's spec builds (SequentialMLP or TEGroupedMLP), kept for
 its parameters only, so checkpoints move between `alltoall`/`flex` and `mok` both
 ways; their data is laid back to back per weight (expert_weights) so that the fused
-pass reads them stacked without copying them every forward. Every configuration the fused pass does not implement fails here, naming
-the flag; nothing falls back silently.
+pass reads them stacked without copying them every forward (a warning says so once if
+something re-homes them and the pass copies again). Every configuration the fused pass
+does not implement fails here, naming the flag; nothing falls back silently.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -21,7 +23,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
-from megatron_mok.megatron.expert_weights import share_one_storage, stack_experts
+from megatron_mok.megatron.expert_weights import share_one_storage, stack_experts, stacked_alias
 
 # (config attribute, unsupported when, Megatron flag to change)
 _UNSUPPORTED = (
@@ -92,12 +94,17 @@ class MokMoELayer(MoELayer):
         # Fail at construction on an unknown expert module; lay each weight's experts back
         # to back so that the fused pass reads them stacked without a copy.
         fc1, fc2 = expert_weight_list(self.experts)
-        share_one_storage(fc1)
-        share_one_storage(fc2)
+        self._weights_in_place = share_one_storage(fc1) & share_one_storage(fc2)
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
         fc1, fc2 = expert_weight_list(self.experts)
+        if self._weights_in_place and (stacked_alias(fc1) is None or stacked_alias(fc2) is None):
+            self._weights_in_place = False  # say it once per layer
+            warnings.warn("megatron_mok: the expert weights of a MokMoELayer were moved after "
+                          "construction (a dtype/device conversion, or the distributed "
+                          "optimizer's parameter buffer); each forward now copies them into a "
+                          "stacked tensor (docs/design-notes.md)", stacklevel=2)
         output = fused_moe(
             hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
             stack_experts(fc1), stack_experts(fc2), group=self.ep_group, config=self.mok_config)
