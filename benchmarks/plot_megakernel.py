@@ -3,7 +3,7 @@
     python -m benchmarks.plot_megakernel [results.json ...] [--out PNG]
 
 Default input: the newest benchmarks/results/*-megakernel-fwd*.json. For every shape, the
-best direct-mode and the best comm-mode point of each file are drawn as a speedup over
+best point of each megakernel mode (direct, comm, spread) in each file is drawn as a speedup over
 the core launch chain timed in the same run (1.0 = as fast as the chain), next to the
 torch launch chain; with several files (e.g. one per kernel version) each file is one
 group of bars, labelled by its source commit. Writes benchmarks/plots/<stem>.png.
