@@ -450,7 +450,9 @@ __device__ __forceinline__ void prefetch_h(const GemmParams& p, const Task& task
 // TMA stores are 3-D (rows, cols, planes): kRows out (rows, N, 1), kTokensAsK out (M, N, E);
 // tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0 and 1: the SwiGLU
 // forward's h, the SwiGLU backward's d_h.
-template <class Cfg, class Storage, class Acc, class TmaO, class TmaH>
+// kByPlane (kSwiGLUBwd only): compute and stage d_gate, then d_up, instead of both at
+// once; the same values, fewer live registers (the backward megakernel's consumer spilled).
+template <class Cfg, bool kByPlane = false, class Storage, class Acc, class TmaO, class TmaH>
 __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, const GemmParams& p,
                                               const Task& task, Acc& accum, bool has_k,
                                               const TmaO& tma_o, const TmaH& tma_h) {
@@ -499,44 +501,88 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
       }
     }
   } else {  // kSwiGLUBwd: acc = d_act; d_h = [d_gate, d_up] (planes of the h view)
-    // Per chunk: read the matching h pairs, compute both halves of d_h in registers, then
-    // stage d_gate and d_up like the other outputs. N = I is a multiple of 8, so a column
-    // pair starting below N is whole.
-    constexpr int kPer = CW / 2;  // values of one chunk held by a thread
-    CUTE_UNROLL
-    for (int q = 0; q < BN / CW; ++q) {
-      if (task.n_tile * BN + q * CW < p.N) {
-        float dg[kPer], du[kPer];
-        CUTE_UNROLL
-        for (int jb = 0; jb < CW / 8; ++jb) {
+    if constexpr (!kByPlane) {
+      // Per chunk: read the matching h pairs, compute both halves of d_h in registers, then
+      // stage d_gate and d_up like the other outputs. N = I is a multiple of 8, so a column
+      // pair starting below N is whole.
+      constexpr int kPer = CW / 2;  // values of one chunk held by a thread
+      CUTE_UNROLL
+      for (int q = 0; q < BN / CW; ++q) {
+        if (task.n_tile * BN + q * CW < p.N) {
+          float dg[kPer], du[kPer];
           CUTE_UNROLL
-          for (int half = 0; half < 2; ++half) {
-            const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
-            const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
-            const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
-            float2 g = make_float2(0.f, 0.f), u = g;
-            if (c < p.N) {
-              const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
-              g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
-              u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
-            }
-            const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+          for (int jb = 0; jb < CW / 8; ++jb) {
             CUTE_UNROLL
-            for (int j = 0; j < 2; ++j) {
-              const float d = accum(i + j);
-              const float sig = 1.f / (1.f + __expf(-gs[j]));
-              dg[l + j] = d * us[j] * sig * (1.f + gs[j] * (1.f - sig));
-              du[l + j] = d * gs[j] * sig;
+            for (int half = 0; half < 2; ++half) {
+              const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
+              const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
+              const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
+              float2 g = make_float2(0.f, 0.f), u = g;
+              if (c < p.N) {
+                const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
+                g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
+                u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
+              }
+              const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+              CUTE_UNROLL
+              for (int j = 0; j < 2; ++j) {
+                const float d = accum(i + j);
+                const float sig = 1.f / (1.f + __expf(-gs[j]));
+                dg[l + j] = d * us[j] * sig * (1.f + gs[j] * (1.f - sig));
+                du[l + j] = d * gs[j] * sig;
+              }
             }
           }
+          const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
+          emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
+            return make_float2(dg[i - base], dg[i - base + 1]);
+          });
+          emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 1, q * (CW / 8), [&](int i) {
+            return make_float2(du[i - base], du[i - base + 1]);
+          });
         }
-        const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
-        emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
-          return make_float2(dg[i - base], dg[i - base + 1]);
-        });
-        emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 1, q * (CW / 8), [&](int i) {
-          return make_float2(du[i - base], du[i - base + 1]);
-        });
+      }
+    } else {
+      // Per chunk and plane: read the matching h pairs, compute that half of d_h in
+      // registers, then stage it like the other outputs. One plane at a time keeps 32 values
+      // live next to the accumulators instead of 64 (the megakernels' consumers spilled);
+      // the h pairs are read twice (L1 hits) and each value's arithmetic is unchanged.
+      // N = I is a multiple of 8, so a column pair starting below N is whole.
+      constexpr int kPer = CW / 2;  // values of one chunk held by a thread
+      CUTE_UNROLL
+      for (int q = 0; q < BN / CW; ++q) {
+        if (task.n_tile * BN + q * CW < p.N) {
+          const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
+          CUTE_UNROLL
+          for (int plane = 0; plane < 2; ++plane) {
+            float dh[kPer];
+            CUTE_UNROLL
+            for (int jb = 0; jb < CW / 8; ++jb) {
+              CUTE_UNROLL
+              for (int half = 0; half < 2; ++half) {
+                const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
+                const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
+                const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
+                float2 g = make_float2(0.f, 0.f), u = g;
+                if (c < p.N) {
+                  const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
+                  g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
+                  u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
+                }
+                const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+                CUTE_UNROLL
+                for (int j = 0; j < 2; ++j) {
+                  const float d = accum(i + j);
+                  const float sig = 1.f / (1.f + __expf(-gs[j]));
+                  dh[l + j] = plane == 0 ? d * us[j] * sig * (1.f + gs[j] * (1.f - sig))
+                                         : d * gs[j] * sig;
+                }
+              }
+            }
+            emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, plane, q * (CW / 8),
+                            [&](int i) { return make_float2(dh[i - base], dh[i - base + 1]); });
+          }
+        }
       }
     }
   }

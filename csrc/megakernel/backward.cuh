@@ -270,8 +270,8 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
       gemm::mma_task<CfgD>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
                            task.tile.k_end, ring, es.wg_thread);
       if (!task.fc2) {
-        gemm::tile_epilogue<CfgD>(smem, es, p.dgrad, task.tile, accum, true, tma_dh,
-                                  tma_dh_halves);
+        gemm::tile_epilogue<CfgD, true>(smem, es, p.dgrad, task.tile, accum, true, tma_dh,
+                                        tma_dh_halves);
         if (es.wg_thread == 0) publish_tile(dh_counter(p, task.tile.m_tile));
       } else if (p.scatter) {  // EP > 1: dx rows into their owners' slots
         scatter_rows_epilogue<CfgX>(smem, es, p, p.dx, task.tile, accum, tma_dx, false);
