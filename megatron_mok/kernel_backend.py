@@ -12,7 +12,9 @@ Backward: publish dy and the router weights -> barrier -> pull dy rows scaled by
 their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->
 SwiGLU backward -> fc1 dgrad -> push dx rows and d_topk_w into the owners' slots ->
 weight gradients (one grouped GEMM per weight, tokens as K in row-table order) ->
-barrier -> dx = shared dx + sum_k slots in fp32.
+barrier -> dx = shared dx + sum_k slots in fp32. With MOK_BACKWARD=megakernel (opt-in,
+not yet measured) the steps from pull to the dx rows run as one launch, the backward
+megakernel's dgrad half (megatron_mok.megakernel.moe_backward).
 
 At EP = 1 (MOK_EP1_COMBINE=rows, the default; `slots` restores the pushes) there are
 no pushes: both combines read the expert rows in place through route_rows
