@@ -6,11 +6,12 @@ For each shape (ep8-proxy, balanced routing) the layer's forward (autograd on) a
 backward (each after an unprofiled forward) run `iters` times under torch.profiler; every
 CUDA kernel is put in a category (expert GEMMs of the core, the megakernels, row moves,
 combines, the shared expert's torch GEMMs, the schedule and other small ops) and its
-time summed per pass.
-The pass's wall time (CUDA events, the same iterations) minus the summed kernel time is
-the GPU left idle between launches. The non-GEMM share is the most that fusing a pass
-into one launch can win at EP = 1 (docs/megakernel.md, "Plan for the backward
-megakernel": measure first).
+time summed per pass. The pass's wall time (CUDA events, the same iterations) minus the
+summed kernel time is the GPU left idle between launches. A second, unprofiled loop
+times the pass and the CPU time to issue it (host_ms): a pass whose host time reaches
+its GPU time is host-bound. The non-GEMM share is the most that fusing a pass into one
+launch can win at EP = 1 (docs/megakernel.md, "Plan for the backward megakernel":
+measure first).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -87,7 +89,22 @@ def profile_pass(run, iters: int, prepare=None) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     busy = sum(by_cat.values())
     wall /= iters
+    # Without the profiler (it slows the host): the pass's GPU wall time and the CPU time
+    # to issue it. host_ms close to or above wall_unprofiled_ms: the pass is host-bound.
+    host, wall_plain = 0.0, 0.0
+    for _ in range(iters):
+        arg = prepare()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        run(arg)
+        host += time.perf_counter() - t0
+        end.record()
+        torch.cuda.synchronize()
+        wall_plain += start.elapsed_time(end)
     return {"wall_ms": wall, "kernel_ms": busy, "idle_ms": max(wall - busy, 0.0),
+            "wall_unprofiled_ms": wall_plain / iters, "host_ms": 1e3 * host / iters,
             "by_category_ms": by_cat, "top_kernels_ms": {k: v / iters for k, v in top}}
 
 
@@ -133,7 +150,8 @@ def main(argv=None) -> int:
             rec["non_gemm_share"] = 1.0 - gemm / rec["wall_ms"] if rec["wall_ms"] else 0.0
             cats = ", ".join(f"{k} {v:.3f}" for k, v in rec["by_category_ms"].items()
                              if v > 0.005)
-            print(f"{name:14s} {pass_name}  wall {rec['wall_ms']:7.3f} ms  kernels "
+            print(f"{name:14s} {pass_name}  unprofiled {rec['wall_unprofiled_ms']:7.3f} ms, "
+                  f"host {rec['host_ms']:7.3f} ms;  profiled wall {rec['wall_ms']:7.3f} ms  kernels "
                   f"{rec['kernel_ms']:7.3f}  idle {rec['idle_ms']:6.3f}  non-GEMM "
                   f"{rec['non_gemm_share']:5.1%}  | {cats}")
         records.append({"shape": name, "tokens": args.tokens, "routing": args.routing,
