@@ -50,6 +50,11 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("ep_barrier(Tensor peer_base, int flag_offset, Tensor(a!) epoch, int rank, "
         "Tensor(b!) watchdog, int timeout_ms) -> ()");
   m.def("gather_from_peers(Tensor peer_base, int offset, Tensor(a!) out) -> ()");
+  // The row table of schedule.build_row_table in three launches (comm/schedule.cu).
+  m.def("build_row_table(Tensor topk_idx_all, int ep_rank, int num_local_experts, "
+        "int num_experts, Tensor(a!) peer_rank, Tensor(b!) peer_token, Tensor(c!) peer_k, "
+        "Tensor(d!) tokens_per_expert, Tensor(e!) expert_offsets, Tensor(f!) num_rows, "
+        "Tensor(g!) overflow, Tensor(h!) invalid_ids) -> ()");
   m.def("pull_rows(Tensor peer_base, int src_offset, Tensor peer_rank, Tensor peer_token, "
         "Tensor peer_k, Tensor num_rows, int topk, int w_offset, Tensor? saved, Tensor(a!) out, "
         "Tensor(b!)? dots) -> ()");

@@ -18,6 +18,7 @@ schedule op must produce the same table.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -55,9 +56,27 @@ class MoKSchedule:
                 f"MoKConfig.schedule_capacity_multiplier (--mok-capacity-multiplier)")
 
 
+def schedule_kernel_enabled(topk_idx_all: torch.Tensor) -> bool:
+    """MOK_SCHEDULE=kernel (opt-in until measured on a GPU): build the table with the
+    three-launch CUDA op (csrc/comm/schedule.cu) instead of ~60 tensor ops; `torch` (the
+    default) keeps the ops."""
+    mode = os.environ.get("MOK_SCHEDULE", "torch")
+    if mode not in ("torch", "kernel"):
+        raise ValueError(f"megatron_mok: MOK_SCHEDULE must be torch or kernel, got {mode!r}")
+    if mode != "kernel" or not topk_idx_all.is_cuda:
+        return False
+    return hasattr(torch.ops, "megatron_mok") and hasattr(torch.ops.megatron_mok,
+                                                          "build_row_table")
+
+
 def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts: int,
                     capacity: int, num_experts: Optional[int] = None) -> MoKSchedule:
     """Row table of rank `ep_rank` from the routing of all ranks, topk_idx_all [P, T, K]."""
+    if num_experts is None:
+        num_experts = topk_idx_all.shape[0] * num_local_experts
+    if schedule_kernel_enabled(topk_idx_all):
+        return _build_row_table_kernel(topk_idx_all, ep_rank, num_local_experts, capacity,
+                                       num_experts)
     ep_size, num_tokens, topk = topk_idx_all.shape
     device = topk_idx_all.device
     flat = topk_idx_all.reshape(-1).long()
@@ -94,11 +113,29 @@ def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts:
     peer_token = torch.where(valid, route_src // topk % num_tokens, -1)
     peer_k = torch.where(valid, route_src % topk, -1)
     num_rows = offsets[-1:]
-    if num_experts is None:
-        num_experts = ep_size * num_local_experts
     invalid = ((flat < -1) | (flat >= num_experts)).any().reshape(1)
     return MoKSchedule(
         peer_rank=peer_rank.int(), peer_token=peer_token.int(), peer_k=peer_k.int(),
         tokens_per_expert=counts.int(), expert_offsets=offsets.int(),
         num_rows=num_rows.int(), overflow=(num_rows > capacity).int(),
         invalid_ids=invalid.int(), topk_idx_all=topk_idx_all)
+
+
+def _build_row_table_kernel(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts: int,
+                            capacity: int, num_experts: int) -> MoKSchedule:
+    """build_row_table's table from the CUDA op: the same integers, three launches."""
+    ids = topk_idx_all.to(torch.int32).contiguous()
+    device = ids.device
+
+    def ints(n):
+        return torch.empty(n, dtype=torch.int32, device=device)
+
+    sched = MoKSchedule(peer_rank=ints(capacity), peer_token=ints(capacity),
+                        peer_k=ints(capacity), tokens_per_expert=ints(num_local_experts),
+                        expert_offsets=ints(num_local_experts + 1), num_rows=ints(1),
+                        overflow=ints(1), invalid_ids=ints(1), topk_idx_all=topk_idx_all)
+    torch.ops.megatron_mok.build_row_table(
+        ids, ep_rank, num_local_experts, num_experts, sched.peer_rank, sched.peer_token,
+        sched.peer_k, sched.tokens_per_expert, sched.expert_offsets, sched.num_rows,
+        sched.overflow, sched.invalid_ids)
+    return sched

@@ -1,0 +1,63 @@
+"""The row table's CUDA op (MOK_SCHEDULE=kernel, csrc/comm/schedule.cu) against
+schedule.build_row_table's tensor ops on the same GPU routing: every field equal, over
+EP sizes, drops, skew, overflow, invalid ids, many chunks and local experts past 64.
+The knob's checks run on the CPU."""
+
+import pytest
+import torch
+
+from megatron_mok import schedule
+
+FIELDS = ("peer_rank", "peer_token", "peer_k", "tokens_per_expert", "expert_offsets",
+          "num_rows", "overflow", "invalid_ids")
+
+
+def test_the_knob_is_opt_in_and_checked(monkeypatch):
+    ids = torch.zeros(1, 4, 2, dtype=torch.int32)
+    monkeypatch.delenv("MOK_SCHEDULE", raising=False)
+    assert not schedule.schedule_kernel_enabled(ids)
+    monkeypatch.setenv("MOK_SCHEDULE", "kernel")
+    assert not schedule.schedule_kernel_enabled(ids)  # CPU routing: the tensor ops
+    monkeypatch.setenv("MOK_SCHEDULE", "cuda")
+    with pytest.raises(ValueError, match="MOK_SCHEDULE"):
+        schedule.schedule_kernel_enabled(ids)
+
+
+def _routing(ep, tokens, topk, experts, seed, drop=0.05, skew=False, bad=False):
+    g = torch.Generator().manual_seed(seed)
+    if skew:  # most routes to the first experts
+        ids = (torch.rand(ep, tokens, topk, generator=g) ** 4 * experts).long()
+    else:
+        ids = torch.randint(0, experts, (ep, tokens, topk), generator=g)
+    ids[torch.rand(ids.shape, generator=g) < drop] = -1
+    if bad:
+        ids[0, 0, 0] = experts + 3
+    return ids.int().cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep, tokens, topk, experts, capacity, skew, bad", [
+    (1, 700, 8, 16, 8192, False, False),
+    (1, 4096, 8, 128, 40960, False, False),   # 32 chunks, 128 local experts (two groups of 64)
+    (2, 300, 4, 16, 2560, False, False),
+    (8, 1000, 8, 256, 16384, True, False),    # skewed, 32 local experts
+    (4, 512, 2, 8, 256, True, False),         # overflow: rows dropped past the capacity
+    (1, 100, 4, 16, 1024, False, True),       # an invalid id
+    (1, 100, 4, 600, 1024, False, False),     # E_loc = 600 > 512: the op refuses
+    (1, 0, 4, 8, 128, False, False),          # no tokens
+])
+def test_kernel_table_equals_the_tensor_ops(ep, tokens, topk, experts, capacity, skew, bad,
+                                            monkeypatch):
+    ids = _routing(ep, tokens, topk, experts, seed=ep * 7 + tokens, skew=skew, bad=bad)
+    local = experts // ep
+    for rank in range(ep):
+        monkeypatch.setenv("MOK_SCHEDULE", "torch")
+        ref = schedule.build_row_table(ids, rank, local, capacity, num_experts=experts)
+        monkeypatch.setenv("MOK_SCHEDULE", "kernel")
+        if local > 512:
+            with pytest.raises(RuntimeError, match="local experts"):
+                schedule.build_row_table(ids, rank, local, capacity, num_experts=experts)
+            continue
+        got = schedule.build_row_table(ids, rank, local, capacity, num_experts=experts)
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name), getattr(ref, name).int()), (rank, name)
