@@ -16,7 +16,10 @@ source scripts/gpu_env.sh
 shapes=${SHAPES:-qwen3-30b-a3b,deepseek-v3,qwen3.5-like}
 part=${PART:-tests}
 if [ "$part" = tests ]; then
-  # The backward megakernel first, in its own process (a trap would poison the context).
+  # The GPU row table (MOK_SCHEDULE=kernel) against the tensor ops.
+  timeout 60 $PY -m pytest -q -ra tests/test_schedule_kernel.py > "$OUT/test_schedule.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_schedule.log" | head -8
+  # The backward megakernel, in its own process (a trap would poison the context).
   timeout 180 $PY -m pytest -q -ra tests/test_backward_megakernel.py \
     > "$OUT/test_backward_megakernel.log" 2>&1
   grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" \
@@ -42,5 +45,10 @@ done
 timeout 150 $PY -m benchmarks.layer --tokens 8192 --backends mok,torch-unfused --iters 20 \
   --out "$OUT/layer" > "$OUT/layer.log" 2>&1
 grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer.log"
+# The layer forward with the GPU row table (host overhead of the small shapes).
+MOK_SCHEDULE=kernel timeout 60 $PY -m benchmarks.layer --shapes qwen3-30b-a3b,qwen3.5-like \
+  --tokens 8192 --backends mok --pass fwd --iters 20 --out "$OUT/layer-sched" \
+  > "$OUT/layer-sched.log" 2>&1
+grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-sched.log"
 timeout 100 $PY -m benchmarks.breakdown --shapes "$shapes" --iters 3 --out "$OUT" 2>&1 \
   | grep -E "fwd|bwd|wrote" | grep -v Warn
