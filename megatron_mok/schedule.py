@@ -56,17 +56,25 @@ class MoKSchedule:
                 f"MoKConfig.schedule_capacity_multiplier (--mok-capacity-multiplier)")
 
 
-def schedule_kernel_enabled(topk_idx_all: torch.Tensor) -> bool:
+# The CUDA op's limits (csrc/comm/schedule.cu): past them the tensor ops build the table.
+KERNEL_MAX_LOCAL_EXPERTS = 512
+
+
+def schedule_kernel_enabled(topk_idx_all: torch.Tensor, num_local_experts: int = 1,
+                            capacity: int = TILE_M) -> bool:
     """MOK_SCHEDULE=kernel (opt-in until measured on a GPU): build the table with the
-    three-launch CUDA op (csrc/comm/schedule.cu) instead of ~60 tensor ops; `torch` (the
-    default) keeps the ops."""
+    three-launch CUDA op (csrc/comm/schedule.cu) instead of ~60 tensor ops, where it
+    applies (CUDA routing, the extension built, <= 512 local experts, whole 128-row
+    tiles); `torch` (the default) keeps the ops."""
     mode = os.environ.get("MOK_SCHEDULE", "torch")
     if mode not in ("torch", "kernel"):
         raise ValueError(f"megatron_mok: MOK_SCHEDULE must be torch or kernel, got {mode!r}")
     if mode != "kernel" or not topk_idx_all.is_cuda:
         return False
-    return hasattr(torch.ops, "megatron_mok") and hasattr(torch.ops.megatron_mok,
-                                                          "build_row_table")
+    if num_local_experts > KERNEL_MAX_LOCAL_EXPERTS or capacity % TILE_M:
+        return False
+    from megatron_mok import ops  # loads the extension (its ops register on import)
+    return ops.extension_available() and hasattr(torch.ops.megatron_mok, "build_row_table")
 
 
 def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts: int,
@@ -74,7 +82,7 @@ def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts:
     """Row table of rank `ep_rank` from the routing of all ranks, topk_idx_all [P, T, K]."""
     if num_experts is None:
         num_experts = topk_idx_all.shape[0] * num_local_experts
-    if schedule_kernel_enabled(topk_idx_all):
+    if schedule_kernel_enabled(topk_idx_all, num_local_experts, capacity):
         return _build_row_table_kernel(topk_idx_all, ep_rank, num_local_experts, capacity,
                                        num_experts)
     ep_size, num_tokens, topk = topk_idx_all.shape

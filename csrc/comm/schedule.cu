@@ -4,7 +4,8 @@
 //   1. count:  CTA c counts the local routes of its chunk of kChunk routes per expert,
 //              and flags expert ids outside [-1, num_experts);
 //   2. offsets (one CTA): per expert, an exclusive scan over the chunks, the padded
-//              segment starts, num_rows and the overflow flag; the table is reset to -1;
+//              segment starts, num_rows and the overflow flag (the table was set to -1
+//              by memsets before);
 //   3. place:  CTA c places each local route of its chunk at
 //              offsets[e] + (routes of e in earlier chunks) + (routes of e earlier in this
 //              chunk), the stable (expert, route id) order of build_row_table, dropping
@@ -50,14 +51,12 @@ schedule_count_kernel(const int* __restrict__ ids, int64_t num_routes, int first
 }
 
 // One CTA: chunk_base [num_chunks, E_loc] (exclusive over chunks), tokens_per_expert,
-// expert_offsets [E_loc + 1] (padded), num_rows, overflow; the table reset to -1.
+// expert_offsets [E_loc + 1] (padded), num_rows, overflow.
 __global__ void __launch_bounds__(1024)
 schedule_offsets_kernel(const int* __restrict__ counts, int num_chunks, int num_local,
                         int capacity, int* __restrict__ chunk_base,
                         int* __restrict__ tokens_per_expert, int* __restrict__ offsets,
-                        int* __restrict__ num_rows, int* __restrict__ overflow,
-                        int* __restrict__ peer_rank, int* __restrict__ peer_token,
-                        int* __restrict__ peer_k) {
+                        int* __restrict__ num_rows, int* __restrict__ overflow) {
   __shared__ int padded[kMaxLocalExperts];
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
     int total = 0;
@@ -81,11 +80,6 @@ schedule_offsets_kernel(const int* __restrict__ counts, int num_chunks, int num_
     }
     num_rows[0] = sum;
     overflow[0] = sum > capacity ? 1 : 0;
-  }
-  for (int j = threadIdx.x; j < capacity; j += blockDim.x) {
-    peer_rank[j] = -1;
-    peer_token[j] = -1;
-    peer_k[j] = -1;
   }
 }
 
@@ -164,6 +158,9 @@ void build_row_table_cuda(const at::Tensor& topk_idx_all, int64_t ep_rank,
   int* chunk_base = counts + int64_t(num_chunks) * num_local;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaMemsetAsync(invalid_ids.data_ptr(), 0, sizeof(int), stream));
+  for (const at::Tensor* t : {&peer_rank, &peer_token, &peer_k}) {  // -1: unused rows
+    C10_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xFF, capacity * sizeof(int), stream));
+  }
   const int* ids = topk_idx_all.data_ptr<int>();
   schedule_count_kernel<<<num_chunks, kChunk, 0, stream>>>(
       ids, num_routes, first, num_local, int(num_experts), counts, invalid_ids.data_ptr<int>());
@@ -171,8 +168,7 @@ void build_row_table_cuda(const at::Tensor& topk_idx_all, int64_t ep_rank,
   schedule_offsets_kernel<<<1, 1024, 0, stream>>>(
       counts, num_chunks, num_local, int(capacity), chunk_base,
       tokens_per_expert.data_ptr<int>(), expert_offsets.data_ptr<int>(),
-      num_rows.data_ptr<int>(), overflow.data_ptr<int>(), peer_rank.data_ptr<int>(),
-      peer_token.data_ptr<int>(), peer_k.data_ptr<int>());
+      num_rows.data_ptr<int>(), overflow.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   schedule_place_kernel<<<num_chunks, kChunk, 0, stream>>>(
       ids, num_routes, first, num_local, num_tokens, topk, int(capacity), chunk_base,
