@@ -103,6 +103,34 @@ def test_mok_matches_alltoall(ep_size, shared):
     run_distributed(_parity_fn, ep_size, shared)
 
 
+def _rehomed_fn(rank, world_size):
+    import warnings
+    from megatron_mok.megatron import MokMoELayer
+    from megatron_mok.megatron.layer import expert_weight_list
+    _setup(world_size)
+    model = _build("mok", None)
+    layers = [m for m in model.modules() if isinstance(m, MokMoELayer)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            in_place = _loss(model)
+            # What a dtype cast or the distributed optimizer's buffer does: each expert's
+            # weight gets its own memory. The layer must notice, say so once, and copy.
+            for layer in layers:
+                for weights in expert_weight_list(layer.experts):
+                    for p in weights:
+                        p.data = p.data.clone()
+            copied, again = _loss(model), _loss(model)
+    moved = [w for w in seen if "moved after construction" in str(w.message)]
+    assert len(moved) == len(layers) == 2, [str(w.message) for w in seen]
+    assert torch.equal(copied, in_place) and torch.equal(again, in_place)
+
+
+@pytest.mark.slow
+def test_rehomed_expert_weights_warn_once_and_still_match():
+    run_distributed(_rehomed_fn, 1)
+
+
 def _checkpoint_fn(rank, ep_size, ckpt_root):
     from megatron.core import dist_checkpointing
     _setup(ep_size)

@@ -23,7 +23,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
-from megatron_mok.megatron.expert_weights import share_one_storage, stack_experts, stacked_alias
+from megatron_mok.megatron.expert_weights import share_one_storage, stack_experts
 
 # (config attribute, unsupported when, Megatron flag to change)
 _UNSUPPORTED = (
@@ -99,7 +99,10 @@ class MokMoELayer(MoELayer):
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
         fc1, fc2 = expert_weight_list(self.experts)
-        if self._weights_in_place and (stacked_alias(fc1) is None or stacked_alias(fc2) is None):
+        w1, w2 = stack_experts(fc1), stack_experts(fc2)
+        # stack_experts aliases the parameters' memory when it can, else copies.
+        in_place = w1.data_ptr() == fc1[0].data_ptr() and w2.data_ptr() == fc2[0].data_ptr()
+        if self._weights_in_place and not in_place:
             self._weights_in_place = False  # say it once per layer
             warnings.warn("megatron_mok: the expert weights of a MokMoELayer were moved after "
                           "construction (a dtype/device conversion, or the distributed "
@@ -107,5 +110,5 @@ class MokMoELayer(MoELayer):
                           "stacked tensor (docs/design-notes.md)", stacklevel=2)
         output = fused_moe(
             hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
-            stack_experts(fc1), stack_experts(fc2), group=self.ep_group, config=self.mok_config)
+            w1, w2, group=self.ep_group, config=self.mok_config)
         return output, None
