@@ -446,6 +446,38 @@ __device__ __forceinline__ void prefetch_h(const GemmParams& p, const Task& task
   }
 }
 
+// kSwiGLUBwd, chunk q of a thread's accumulators: for each value l of the chunk, its d_act
+// d (the accumulator), the matching h pair (gate g, up u; zeros past N) and sigmoid(g),
+// handed to fn(l, d, g, u, sig). N = I is a multiple of 8, so a pair starting below N is
+// whole.
+template <class Cfg, class Acc, class Fn>
+__device__ __forceinline__ void swiglu_bwd_chunk(const GemmParams& p, const EpilogueState& es,
+                                                 const Task& task, Acc& accum, int m0, int q,
+                                                 Fn&& fn) {
+  constexpr int BN = Cfg::BN, CW = Cfg::kChunkCols;
+  CUTE_UNROLL
+  for (int jb = 0; jb < CW / 8; ++jb) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
+      const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
+      const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
+      float2 g = make_float2(0.f, 0.f), u = g;
+      if (c < p.N) {
+        const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
+        g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
+        u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
+      }
+      const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const float sig = 1.f / (1.f + __expf(-gs[j]));
+        fn(l + j, accum(i + j), gs[j], us[j], sig);
+      }
+    }
+  }
+}
+
 // The epilogue of one task for one consumer warpgroup, by Cfg::epi. Output views for the
 // TMA stores are 3-D (rows, cols, planes): kRows out (rows, N, 1), kTokensAsK out (M, N, E);
 // tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0 and 1: the SwiGLU
@@ -501,86 +533,41 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
       }
     }
   } else {  // kSwiGLUBwd: acc = d_act; d_h = [d_gate, d_up] (planes of the h view)
-    if constexpr (!kByPlane) {
-      // Per chunk: read the matching h pairs, compute both halves of d_h in registers, then
-      // stage d_gate and d_up like the other outputs. N = I is a multiple of 8, so a column
-      // pair starting below N is whole.
-      constexpr int kPer = CW / 2;  // values of one chunk held by a thread
-      CUTE_UNROLL
-      for (int q = 0; q < BN / CW; ++q) {
-        if (task.n_tile * BN + q * CW < p.N) {
+    // Per chunk: compute d_h from the matching h pairs in registers, then stage it like the
+    // other outputs. kByPlane: d_gate, staged, then d_up: 32 values live next to the
+    // accumulators instead of 64 (the megakernels' consumers spilled); the h pairs are read
+    // twice (L1 hits), each value's arithmetic unchanged.
+    constexpr int kPer = CW / 2;  // values of one chunk and plane held by a thread
+    auto d_gate = [](float d, float g, float u, float sig) {
+      return d * u * sig * (1.f + g * (1.f - sig));
+    };
+    auto d_up = [](float d, float g, float u, float sig) { return d * g * sig; };
+    CUTE_UNROLL
+    for (int q = 0; q < BN / CW; ++q) {
+      if (task.n_tile * BN + q * CW < p.N) {
+        const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
+        auto stage = [&](int plane, const float(&v)[kPer]) {
+          emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, plane, q * (CW / 8),
+                          [&](int i) { return make_float2(v[i - base], v[i - base + 1]); });
+        };
+        if constexpr (!kByPlane) {
           float dg[kPer], du[kPer];
-          CUTE_UNROLL
-          for (int jb = 0; jb < CW / 8; ++jb) {
-            CUTE_UNROLL
-            for (int half = 0; half < 2; ++half) {
-              const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
-              const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
-              const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
-              float2 g = make_float2(0.f, 0.f), u = g;
-              if (c < p.N) {
-                const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
-                g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
-                u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
-              }
-              const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
-              CUTE_UNROLL
-              for (int j = 0; j < 2; ++j) {
-                const float d = accum(i + j);
-                const float sig = 1.f / (1.f + __expf(-gs[j]));
-                dg[l + j] = d * us[j] * sig * (1.f + gs[j] * (1.f - sig));
-                du[l + j] = d * gs[j] * sig;
-              }
-            }
-          }
-          const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
-          emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
-            return make_float2(dg[i - base], dg[i - base + 1]);
+          swiglu_bwd_chunk<Cfg>(p, es, task, accum, m0, q, [&](int l, float d, float g, float u,
+                                                              float sig) {
+            dg[l] = d_gate(d, g, u, sig);
+            du[l] = d_up(d, g, u, sig);
           });
-          emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 1, q * (CW / 8), [&](int i) {
-            return make_float2(du[i - base], du[i - base + 1]);
-          });
-        }
-      }
-    } else {
-      // Per chunk and plane: read the matching h pairs, compute that half of d_h in
-      // registers, then stage it like the other outputs. One plane at a time keeps 32 values
-      // live next to the accumulators instead of 64 (the megakernels' consumers spilled);
-      // the h pairs are read twice (L1 hits) and each value's arithmetic is unchanged.
-      // N = I is a multiple of 8, so a column pair starting below N is whole.
-      constexpr int kPer = CW / 2;  // values of one chunk held by a thread
-      CUTE_UNROLL
-      for (int q = 0; q < BN / CW; ++q) {
-        if (task.n_tile * BN + q * CW < p.N) {
-          const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
+          stage(0, dg);
+          stage(1, du);
+        } else {
           CUTE_UNROLL
           for (int plane = 0; plane < 2; ++plane) {
             float dh[kPer];
-            CUTE_UNROLL
-            for (int jb = 0; jb < CW / 8; ++jb) {
-              CUTE_UNROLL
-              for (int half = 0; half < 2; ++half) {
-                const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
-                const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
-                const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
-                float2 g = make_float2(0.f, 0.f), u = g;
-                if (c < p.N) {
-                  const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
-                  g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
-                  u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
-                }
-                const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
-                CUTE_UNROLL
-                for (int j = 0; j < 2; ++j) {
-                  const float d = accum(i + j);
-                  const float sig = 1.f / (1.f + __expf(-gs[j]));
-                  dh[l + j] = plane == 0 ? d * us[j] * sig * (1.f + gs[j] * (1.f - sig))
-                                         : d * gs[j] * sig;
-                }
-              }
-            }
-            emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, plane, q * (CW / 8),
-                            [&](int i) { return make_float2(dh[i - base], dh[i - base + 1]); });
+            swiglu_bwd_chunk<Cfg>(p, es, task, accum, m0, q, [&](int l, float d, float g,
+                                                                float u, float sig) {
+              dh[l] = plane == 0 ? d_gate(d, g, u, sig) : d_up(d, g, u, sig);
+            });
+            stage(plane, dh);
           }
         }
       }
