@@ -12,6 +12,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "comm/row_math.cuh"
 #include "comm/symmetric.cuh"
 
 namespace megatron_mok {
@@ -20,30 +21,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 8;  // bf16 per 16-byte vector
 
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
-  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
-  const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
-    s = __fmaf_rn(fa.x, fb.x, s);
-    s = __fmaf_rn(fa.y, fb.y, s);
-  }
-  return s;
-}
-
-__device__ __forceinline__ uint4 scale8(const uint4& a, float w) {
-  uint4 out;
-  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
-  __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pa[i]);
-    po[i] = __floats2bfloat162_rn(f.x * w, f.y * w);
-  }
-  return out;
-}
+using row_math::dot8;
+using row_math::scale8;
 
 // Sum over the block in a fixed tree order; valid in thread 0.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

@@ -9,6 +9,7 @@
 
 #include "gemm/host.cuh"
 #include "megakernel/backward.cuh"
+#include "megakernel/launch.cuh"
 
 namespace megatron_mok {
 namespace {
@@ -19,13 +20,6 @@ using megakernel::BackwardParams;
 
 using CfgD = CfgDgradSwiGLU<1>;  // the core's fc2 dgrad + SwiGLU backward tiles
 using CfgX = CfgRowsNN<1>;       // the core's fc1 dgrad tiles (w1 read MN-major)
-
-void check_rows_table(const at::Tensor& t, const char* name, int64_t numel) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() &&
-                  t.numel() == numel,
-              "megatron_mok: ", name, " must be a contiguous CUDA int32 tensor of ", numel,
-              " entries");
-}
 
 // dy_local / topk_w_local (EP = 1): this rank's; else the peers' arena at dy_offset /
 // w_offset. scatter (EP > 1): dx rows and dots into the owners' slots / d_topk_w slots.
@@ -42,8 +36,6 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                   int64_t dtopk_offset, int64_t hold_tile) {
   TORCH_CHECK(dy_local.has_value() == topk_w_local.has_value(),
               "megatron_mok: pass dy and topk_w both local (EP = 1) or both through the arena");
-  TORCH_CHECK(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong && peer_base.dim() == 1,
-              "megatron_mok: peer_base must be a CUDA int64 vector");
   TORCH_CHECK(dy_offset % 16 == 0 && w_offset % 4 == 0 && slots_offset % 16 == 0 &&
                   dtopk_offset % 4 == 0,
               "megatron_mok: symmetric offsets must be aligned (16 bytes for rows)");
@@ -78,14 +70,13 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   for (auto [t, name] : {std::pair{&peer_rank, "peer_rank"}, {&peer_token, "peer_token"},
                          {&peer_k, "peer_k"}}) {
-    check_rows_table(*t, name, R);
+    megakernel::check_int32_table(*t, name, R);
   }
   const int64_t m_tiles = R / 128;
-  check_rows_table(counters, "counters", megakernel::forward_counters_size(int(m_tiles)));
-  TORCH_CHECK(watchdog.is_pinned() && watchdog.scalar_type() == at::kLong && watchdog.numel() >= 8,
-              "megatron_mok: watchdog must be a pinned int64 tensor of 8 entries");
-  TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
-              "megatron_mok: minibatch_rows must be a positive multiple of 128");
+  megakernel::check_int32_table(counters, "counters",
+                                megakernel::forward_counters_size(int(m_tiles)));
+  megakernel::check_watchdog_and_peers(watchdog, peer_base);
+  megakernel::check_minibatch_rows(minibatch_rows);
   c10::cuda::CUDAGuard guard(d_out.device());
   const int sms = num_sms(d_out.get_device());
 
@@ -130,22 +121,8 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
   auto kernel = &megakernel::moe_backward_kernel<CfgD, CfgX, decltype(tma_dout), decltype(tma_w2),
                                                  decltype(tma_dh), decltype(tma_dh_in),
                                                  decltype(tma_w1), decltype(tma_dx)>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      CfgD::kSmemBytes));
-  // Cooperative: every CTA resident at once (their movers and tiles wait on each other).
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(sms);
-  config.blockDim = dim3(CfgD::kThreads);
-  config.dynamicSmemBytes = CfgD::kSmemBytes;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_dout, tma_w2, tma_dh, tma_dh_halves,
-                                    tma_dh_in, tma_w1, tma_dx));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  megakernel::launch_cooperative(kernel, sms, CfgD::kThreads, CfgD::kSmemBytes, p, tma_dout,
+                                 tma_w2, tma_dh, tma_dh_halves, tma_dh_in, tma_w1, tma_dx);
 }
 
 }  // namespace

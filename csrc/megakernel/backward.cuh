@@ -14,12 +14,14 @@
 // The weight gradients stay the core's wgrad launches after this one.
 //
 // Every output has one owner and a fixed order: the pulled rows and the dots are computed
-// exactly as ops.pull_rows computes them (scale8, and 256 virtual threads' partial sums
-// reduced in its order), the tiles as the core's launches compute them, so d_out, dots,
-// d_h and dx rows are bitwise those of the launch chain and independent of the minibatch
-// and the grid. Counters start at zero and the last CTA zeroes them (stream order).
+// exactly as ops.pull_rows computes them (comm/row_math.cuh's scale8 and dot8, and 256
+// virtual threads' partial sums reduced in its order), the tiles as the core's launches
+// compute them, so d_out, dots, d_h and dx rows are bitwise those of the launch chain and
+// independent of the minibatch and the grid. Counters start at zero and the last CTA
+// zeroes them (stream order).
 #pragma once
 
+#include "comm/row_math.cuh"
 #include "gemm/tile.cuh"
 #include "megakernel/counters.cuh"
 #include "megakernel/forward.cuh"
@@ -62,33 +64,6 @@ __device__ __forceinline__ int* bwd_pulled_counter(const BackwardParams& p, int 
 }
 __device__ __forceinline__ int* dh_counter(const BackwardParams& p, int m) {
   return p.counters + kCounterHeader + p.dgrad.m_tiles + m;
-}
-
-// ops.pull_rows' arithmetic (csrc/comm/rows.cu), repeated here so that the two agree bit
-// for bit: bf16 x fp32 weight rounded to bf16, and an 8-element fma dot per vector.
-__device__ __forceinline__ float bwd_dot8(const uint4& a, const uint4& b) {
-  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
-  const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
-    s = __fmaf_rn(fa.x, fb.x, s);
-    s = __fmaf_rn(fa.y, fb.y, s);
-  }
-  return s;
-}
-
-__device__ __forceinline__ uint4 bwd_scale8(const uint4& a, float w) {
-  uint4 out;
-  const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
-  __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pa[i]);
-    po[i] = __floats2bfloat162_rn(f.x * w, f.y * w);
-  }
-  return out;
 }
 
 // pull_rows runs a row on 256 threads: thread i sums the dots of vectors i, i + 256, ...
@@ -140,8 +115,8 @@ __device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64
       for (int g = 0; g < kVirtualGroup; ++g) {
         const int v = base + 32 * g;
         if (v < n) {
-          part[g] += bwd_dot8(a[g], b[g]);
-          dst[v] = bwd_scale8(a[g], w);
+          part[g] += row_math::dot8(a[g], b[g]);
+          dst[v] = row_math::scale8(a[g], w);
         }
       }
     }
@@ -282,19 +257,7 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
     if (es.wg_thread == 0) bulk_store_wait_all();
   }
 
-  // The last CTA to leave zeroes the counters for the next launch.
-  int& last_cta = smem.task_id[0];
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last_cta = atomicAdd(p.counters + kExitCounter, 1) == int(gridDim.x) - 1;
-  }
-  __syncthreads();
-  if (last_cta) {
-    __threadfence();
-    const int n = forward_counters_size(p.dgrad.m_tiles);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) p.counters[i] = 0;
-  }
+  zero_counters_on_exit(p.counters, p.dgrad.m_tiles, smem.task_id[0]);
 #endif
 }
 

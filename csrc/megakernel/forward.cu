@@ -9,6 +9,7 @@
 
 #include "gemm/host.cuh"
 #include "megakernel/forward.cuh"
+#include "megakernel/launch.cuh"
 
 namespace megatron_mok {
 namespace {
@@ -19,13 +20,6 @@ using megakernel::ForwardParams;
 
 using Cfg1 = CfgFc1SwiGLU<1>;  // the core's fc1 + SwiGLU tiles
 using Cfg2 = CfgRowsNT<1>;     // the core's fc2 tiles
-
-void check_int_table(const at::Tensor& t, const char* name, int64_t numel) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.is_contiguous() &&
-                  t.numel() == numel,
-              "megatron_mok: ", name, " must be a contiguous CUDA int32 tensor of ", numel,
-              " entries");
-}
 
 // MOK_MEGAKERNEL_GATHER = lines (default) | tma | rows: how direct mode gathers fc1's rows
 // (A/B measurements, docs/perf-notes.md: lines measured fastest at e77b681).
@@ -99,14 +93,12 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   for (auto [t, name] : {std::pair{&peer_rank, "peer_rank"}, {&peer_token, "peer_token"},
                          {&peer_k, "peer_k"}}) {
-    check_int_table(*t, name, R);
+    megakernel::check_int32_table(*t, name, R);
   }
   const int64_t m_tiles = R / 128;
-  check_int_table(counters, "counters", megakernel::forward_counters_size(int(m_tiles)));
-  TORCH_CHECK(watchdog.is_pinned() && watchdog.scalar_type() == at::kLong && watchdog.numel() >= 8,
-              "megatron_mok: watchdog must be a pinned int64 tensor of 8 entries");
-  TORCH_CHECK(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong && peer_base.dim() == 1,
-              "megatron_mok: peer_base must be a CUDA int64 vector");
+  megakernel::check_int32_table(counters, "counters",
+                                megakernel::forward_counters_size(int(m_tiles)));
+  megakernel::check_watchdog_and_peers(watchdog, peer_base);
   TORCH_CHECK(x_offset % 16 == 0 && slots_offset % 16 == 0,
               "megatron_mok: symmetric offsets must be 16-byte aligned");
   if (x_local.has_value()) check_bf16_cuda(*x_local, "x", 2);
@@ -130,8 +122,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   const int lag = megakernel::mover_lag(int(H * 2), Cfg1::kSmemBytes, warps);
   TORCH_CHECK(direct || spread || lag >= 1, "megatron_mok: the forward megakernel's ", warps,
               " row movers cannot hold rows of H = ", H, " bf16 in shared memory");
-  TORCH_CHECK(minibatch_rows >= 128 && minibatch_rows % 128 == 0,
-              "megatron_mok: minibatch_rows must be a positive multiple of 128");
+  megakernel::check_minibatch_rows(minibatch_rows);
 
   ForwardParams p{};
   p.fc1 = rows_params(offsets, num_rows, R, I, H, Cfg1::BN / 2);
@@ -189,23 +180,8 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   auto kernel = &megakernel::moe_forward_kernel<Cfg1, Cfg2, decltype(tma_x), decltype(tma_w1),
                                                 decltype(tma_act), decltype(tma_act_in),
                                                 decltype(tma_w2), decltype(tma_y)>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Cfg1::kSmemBytes));
-  // Cooperative: every CTA resident at once (comm and compute CTAs wait on each other), or
-  // the launch fails instead of deadlocking.
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(sms);
-  config.blockDim = dim3(Cfg1::kThreads);
-  config.dynamicSmemBytes = Cfg1::kSmemBytes;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_x, tma_w1, tma_act, tma_h, tma_act_in,
-                                    tma_w2, tma_y));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  megakernel::launch_cooperative(kernel, sms, Cfg1::kThreads, Cfg1::kSmemBytes, p, tma_x, tma_w1,
+                                 tma_act, tma_h, tma_act_in, tma_w2, tma_y);
 }
 
 }  // namespace

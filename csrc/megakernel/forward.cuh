@@ -42,6 +42,23 @@ __host__ __device__ inline int forward_counters_size(int m_tiles) {
   return kCounterHeader + 3 * m_tiles;
 }
 
+// Called by every thread of every CTA as it leaves: the last CTA out zeroes the counters
+// for the next launch (stream order), so a launch starts from zeros without a memset.
+// `flag` is a shared-memory int the CTA no longer uses.
+__device__ __forceinline__ void zero_counters_on_exit(int* counters, int m_tiles, int& flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    flag = atomicAdd(counters + kExitCounter, 1) == int(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (flag) {
+    __threadfence();
+    const int n = forward_counters_size(m_tiles);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) counters[i] = 0;
+  }
+}
+
 // Direct mode's fc1 gather (MOK_MEGAKERNEL_GATHER): one TMA box per row and K step; or
 // 16-byte cp.async, each warp instruction reading four whole 128-byte lines or 32 rows.
 enum GatherMode : int { kGatherTma = 0, kGatherLines = 1, kGatherRows = 2 };
@@ -737,20 +754,8 @@ moe_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constan
     }
   }
 
-  // The last CTA to leave zeroes the counters for the next launch (the flag reuses the
-  // task queue's slot, idle by now).
-  int& last_cta = smem.task_id[0];
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last_cta = atomicAdd(p.counters + kExitCounter, 1) == int(gridDim.x) - 1;
-  }
-  __syncthreads();
-  if (last_cta) {
-    __threadfence();
-    const int n = forward_counters_size(p.fc1.m_tiles);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) p.counters[i] = 0;
-  }
+  // The flag reuses the task queue's slot, idle by now.
+  zero_counters_on_exit(p.counters, p.fc1.m_tiles, smem.task_id[0]);
 #endif
 }
 
