@@ -70,9 +70,11 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("grouped_dgrad_swiglu(Tensor d_out, Tensor w2, Tensor expert_offsets, Tensor num_rows, "
         "Tensor h, Tensor(a!) d_h, int max_ctas) -> ()");
   // accumulate: out (fp32) += the gradient, through TMA reduce-add stores (Megatron's
-  // main_grad; one owner per tile, so one add per element: deterministic).
+  // main_grad; one owner per tile, so one add per element: deterministic). out's planes
+  // may lie apart (stride(0) >= M * N); reverse_experts: expert e's gradient is plane
+  // E - 1 - e (the experts' main_grads lie backwards in Megatron's grad buffer).
   m.def("grouped_wgrad(Tensor a, Tensor b, Tensor expert_offsets, Tensor(a!) out, "
-        "bool accumulate, int max_ctas) -> ()");
+        "bool accumulate, int max_ctas, bool reverse_experts=False) -> ()");
   // The forward megakernel (csrc/megakernel/): pull -> fc1 + SwiGLU -> fc2 -> push in one
   // persistent launch. x_local: EP = 1, pull from this x instead of the peers' buffers.
   // direct (EP = 1, num_comm = 0): fc1 gathers its rows from x_local, fc2 scatters into the

@@ -40,8 +40,17 @@ def _check(name: str, t: torch.Tensor, dim: int, dtype=torch.bfloat16) -> None:
         raise ValueError(f"megatron_mok: {name} must have {dim} dimensions, got {tuple(t.shape)}")
 
 
-def _check_cuda(**tensors: Optional[torch.Tensor]) -> None:
-    """After the shape checks: every tensor on one CUDA device, contiguous."""
+def planes_accumulable(t: torch.Tensor) -> bool:
+    """[E, M, N] whose planes are dense [M, N] and, like the tensor, 16-byte aligned: what
+    wgrad's TMA stores can add into (contiguous, or per-expert buffers lying apart)."""
+    e, m, n = t.shape
+    planes_apart = e == 1 or (t.stride(0) >= m * n and t.stride(0) * t.element_size() % 16 == 0)
+    return t.stride(2) == 1 and t.stride(1) == n and planes_apart and t.data_ptr() % 16 == 0
+
+
+def _check_cuda(contiguous: bool = True, **tensors: Optional[torch.Tensor]) -> None:
+    """After the shape checks: every tensor on one CUDA device, contiguous (unless told
+    otherwise)."""
     device = None
     for name, t in tensors.items():
         if t is None:
@@ -51,7 +60,7 @@ def _check_cuda(**tensors: Optional[torch.Tensor]) -> None:
         if device is not None and t.device != device:
             raise ValueError(f"megatron_mok: {name} is on {t.device}, the other inputs on {device}")
         device = t.device
-        if not t.is_contiguous():
+        if contiguous and not t.is_contiguous():
             raise ValueError(f"megatron_mok: {name} must be contiguous")
 
 
@@ -139,13 +148,15 @@ def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
           out_dtype: Optional[torch.dtype] = None,
-          accumulate_into: Optional[torch.Tensor] = None,
+          accumulate_into: Optional[torch.Tensor] = None, reverse_experts: bool = False,
           max_ctas: int = 0) -> torch.Tensor:
     """out [E, M, N], out[e] = a[rows of e]^T @ b[rows of e] (tokens as K, row-table order;
-    an expert without rows gets zeros). With `accumulate_into` (a contiguous fp32 [E, M, N],
-    e.g. Megatron's main_grad, 16-byte aligned) the gradient is added into it instead (TMA
-    reduce-add stores: one add per element, deterministic) and that tensor is returned.
-    out_dtype: bfloat16 (default) or float32; with accumulate_into only float32."""
+    an expert without rows gets zeros). With `accumulate_into` (fp32 [E, M, N], e.g. a view
+    of Megatron's main_grads: dense 16-byte aligned [M, N] planes, which may lie apart) the
+    gradient is added into it instead (TMA reduce-add stores: one add per element,
+    deterministic) and that tensor is returned; with `reverse_experts` expert e's gradient
+    goes into plane E - 1 - e. out_dtype: bfloat16 (default) or float32; with
+    accumulate_into only float32."""
     if accumulate_into is not None and out_dtype not in (None, torch.float32):
         raise TypeError(f"megatron_mok: wgrad accumulates in float32, got out_dtype={out_dtype}")
     out_dtype = out_dtype or torch.bfloat16
@@ -161,18 +172,22 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
     _check_table(a.shape[0], expert_offsets, num_experts, None)
     _check_multiple_of_8(m=a.shape[1], n=b.shape[1])
     shape = (num_experts, a.shape[1], b.shape[1])
+    if reverse_experts and accumulate_into is None:
+        raise ValueError("megatron_mok: reverse_experts needs accumulate_into")
     if accumulate_into is not None:
         _check("accumulate_into", accumulate_into, 3, torch.float32)
         if tuple(accumulate_into.shape) != shape:
             raise ValueError(f"megatron_mok: accumulate_into must be {list(shape)}, got "
                              f"{list(accumulate_into.shape)}")
-        if accumulate_into.data_ptr() % 16:
-            raise ValueError("megatron_mok: accumulate_into must be 16-byte aligned (TMA "
-                             "stores); add a separately computed gradient instead")
-    _check_cuda(a=a, b=b, expert_offsets=expert_offsets, accumulate_into=accumulate_into)
+        if not planes_accumulable(accumulate_into):
+            raise ValueError("megatron_mok: accumulate_into must hold dense [M, N] planes, "
+                             "16-byte aligned and apart (TMA stores); add a separately "
+                             "computed gradient instead")
+    _check_cuda(a=a, b=b, expert_offsets=expert_offsets)
+    _check_cuda(a=a, accumulate_into=accumulate_into, contiguous=False)
     if accumulate_into is not None:
         torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, accumulate_into, True,
-                                             max_ctas)
+                                             max_ctas, reverse_experts)
         return accumulate_into
     out = a.new_empty(*shape, dtype=out_dtype)
     torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, False, max_ctas)

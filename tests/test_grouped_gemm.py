@@ -120,6 +120,32 @@ def test_backward_ops_match_fp32(routing, hidden, inter, cluster):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gap, reverse", [(0, True), (320 * 8, False), (320 * 8, True)])
+def test_wgrad_accumulates_into_per_expert_buffers(gap, reverse):
+    """main_grads that lie apart (a gap between experts, as a SequentialMLP's fc1 and fc2
+    interleave in Megatron's grad buffer) and/or backwards (that buffer's parameter order):
+    one launch adds expert e's gradient into its own buffer, bit for bit start + dw."""
+    offsets, num_rows, capacity, real = _row_table(COUNTS["ragged"])
+    a = _rows(capacity, 200, real, seed=31)
+    b = _rows(capacity, 320, real, seed=32)
+    E, step = offsets.numel() - 1, 200 * 320 + gap
+    g = torch.Generator().manual_seed(33)
+    buffer = torch.randn(E * step, generator=g).cuda()  # the grad buffer, gaps included
+    planes = buffer.as_strided((E, 200, 320), (step, 320, 1))
+    start = buffer.clone()
+    main_grads = [planes[E - 1 - e] if reverse else planes[e] for e in range(E)]
+    dw = gg.wgrad(a, b, offsets, out_dtype=torch.float32)
+    gg.wgrad(a, b, offsets, accumulate_into=planes, reverse_experts=reverse)
+    expected = start.clone()
+    expected_planes = expected.as_strided((E, 200, 320), (step, 320, 1))
+    for e in range(E):
+        (expected_planes[E - 1 - e] if reverse else expected_planes[e]).add_(dw[e])
+    assert torch.equal(buffer, expected)  # gaps untouched, every expert in its buffer
+    assert all(torch.equal(main_grads[e], expected_planes[E - 1 - e if reverse else e])
+               for e in range(E))
+
+
+@pytest.mark.gpu
 def test_wgrad_accumulates_into_fp32_main_grad(cluster):
     """Megatron's gradient-accumulation fusion: main_grad += dW with one fp32 add per element,
     so it equals main_grad + (the fp32 wgrad) bit for bit, twice in a row."""
@@ -244,8 +270,16 @@ def test_bad_inputs_raise_before_launch():
         gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1, 64, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"accumulate_into must be \[1, 64, 64\]"):
         gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1, 64, 32))
-    with pytest.raises(ValueError, match="accumulate_into must be 16-byte aligned"):
+    with pytest.raises(ValueError, match="accumulate_into must hold dense"):  # misaligned
         gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1 + 64 * 64)[1:].view(1, 64, 64))
+    with pytest.raises(ValueError, match="accumulate_into must hold dense"):  # planes not dense
+        gg.wgrad(x, x, offsets, accumulate_into=torch.zeros(1, 64, 64).transpose(1, 2))
+    # Planes apart by a stride that is not a multiple of 16 bytes.
+    apart = torch.zeros(2 * 64 * 64 + 2).as_strided((2, 64, 64), (64 * 64 + 1, 64, 1))
+    with pytest.raises(ValueError, match="accumulate_into must hold dense"):
+        gg.wgrad(x, x, torch.tensor([0, 64, 128], dtype=torch.int32), accumulate_into=apart)
+    with pytest.raises(ValueError, match="reverse_experts needs accumulate_into"):
+        gg.wgrad(x, x, offsets, reverse_experts=True)
     with pytest.raises(TypeError, match="wgrad accumulates in float32"):
         gg.wgrad(x, x, offsets, out_dtype=torch.bfloat16,
                  accumulate_into=torch.zeros(1, 64, 64))

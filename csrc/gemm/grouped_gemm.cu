@@ -189,12 +189,19 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
 }
 
 void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
-                        const at::Tensor& out, bool accumulate, int64_t max_ctas) {
+                        const at::Tensor& out, bool accumulate, int64_t max_ctas,
+                        bool reverse_experts) {
   check_bf16_cuda(a, "a", 2);
   check_bf16_cuda(b, "b", 2);
-  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 3 &&
-                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
-              "megatron_mok: out must be a contiguous CUDA [E, M, N] bf16 or fp32 tensor");
+  // Planes (experts) may lie apart, each one dense [M, N]: a view of per-expert buffers.
+  const int64_t elem = out.element_size();
+  TORCH_CHECK(out.is_cuda() && out.dim() == 3 &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+                  out.stride(2) == 1 && out.stride(1) == out.size(2) &&
+                  (out.size(0) == 1 || (out.stride(0) >= out.size(1) * out.size(2) &&
+                                        out.stride(0) * elem % 16 == 0)),
+              "megatron_mok: out must be a CUDA [E, M, N] bf16 or fp32 tensor of dense [M, N] "
+              "planes, 16-byte aligned apart");
   const int64_t R = a.size(0), M = a.size(1), N = b.size(1), E = out.size(0);
   TORCH_CHECK(b.size(0) == R, "megatron_mok: a and b must have the same rows");
   TORCH_CHECK(out.size(1) == M && out.size(2) == N, "megatron_mok: out must be [E, M, N]");
@@ -226,7 +233,8 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   p.m_tiles = int((M + 127) / 128);
   p.n_tiles = int((N + CfgWgradBf16<1>::BN - 1) / CfgWgradBf16<1>::BN);
   p.num_tasks = int(E) * p.m_tiles * p.n_tiles;
-  const OutView out_view{out.data_ptr(), M, N, E, N, M * N};
+  p.reverse_planes = reverse_experts;
+  const OutView out_view{out.data_ptr(), M, N, E, N, E == 1 ? M * N : out.stride(0)};
   auto launch_as = [&](auto cfg, auto reduce) {
     launch<decltype(cfg), decltype(reduce)::value>(p, a, make_stride(_1{}, M), int(M), int(R),
                                                    b, make_stride(_1{}, N, N * R), int(N),

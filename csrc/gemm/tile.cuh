@@ -129,6 +129,8 @@ struct GemmParams {
                           // striding (CTA b takes b, b + grid, ...). Clusters use static.
   bool store_h;           // kSwiGLU: also store the pre-activations h (through tma_h)
   const __nv_bfloat16* h_in;  // kSwiGLUBwd: [rows, 2N]
+  bool reverse_planes;    // kTokensAsK: expert e's output is plane num_experts - 1 - e
+                          // (Megatron's grad buffer holds the experts' main_grads backwards)
 };
 
 __device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
@@ -499,7 +501,9 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
   const int m0 = task.m_tile * BM;
   const int row_tile = 2 * task.m_tile + es.wg;  // this warpgroup's 64 rows
   if constexpr (Cfg::epi == Epi::kStore) {
-    const int plane = Cfg::group == Grouping::kRows ? 0 : task.expert;
+    const int plane = Cfg::group == Grouping::kRows ? 0
+                      : p.reverse_planes             ? p.num_experts - 1 - task.expert
+                                                     : task.expert;
     CUTE_UNROLL
     for (int q = 0; q < BN / CW; ++q) {
       if ((task.n_tile * BN + q * CW) < p.N) {  // a chunk past N is all clipped
