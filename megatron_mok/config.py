@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 BACKENDS = ("auto", "reference", "kernel")
+MAIN_GRAD_FUSION = ("auto", "on", "off")
 
 # Row-table padding unit: the GEMM tile height of the Hopper kernels (one
 # 128-row WGMMA tile per expert segment start).
@@ -28,6 +29,10 @@ class MoKConfig:
         backend, instead of only through the device-side error flag.
     autotune: use the cached per-(GPU, shape) forward plan of megatron_mok.autotune
         (path, comm SMs, minibatch) when there is one, instead of the knobs above.
+    main_grad_fusion: in Megatron, add the expert weights' gradients straight into their
+        `main_grad` (megatron_mok.grad_accumulation): "auto" follows Megatron's
+        --gradient-accumulation-fusion, "on" whenever the parameters have a main_grad,
+        "off" never (Megatron's DDP hook adds the returned gradients).
     """
 
     fwd_num_comm_sms: int = 24
@@ -38,6 +43,7 @@ class MoKConfig:
     backend: str = "auto"
     debug_checks: bool = False
     autotune: bool = True
+    main_grad_fusion: str = "auto"
 
     def __post_init__(self):
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
@@ -60,6 +66,9 @@ class MoKConfig:
                 f"MoKConfig.schedule_capacity_multiplier must be a positive number, got {m!r}")
         if not isinstance(self.autotune, bool):
             raise ValueError(f"MoKConfig.autotune must be a bool, got {self.autotune!r}")
+        if self.main_grad_fusion not in MAIN_GRAD_FUSION:
+            raise ValueError(f"MoKConfig.main_grad_fusion must be one of {MAIN_GRAD_FUSION}, "
+                             f"got {self.main_grad_fusion!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"MoKConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
 

@@ -6,7 +6,9 @@
     y, ctx = forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2)
     grads  = backward(config, ws, sched, ctx, dy)
 
-or, with autograd, `fused_moe(x, topk_idx, topk_w, w1, w2, ...)`.
+or, with autograd, `fused_moe(x, topk_idx, topk_w, w1, w2, ...)`. With `accumulators`
+(megatron_mok.grad_accumulation) the weight gradients are added into caller-owned buffers
+(Megatron's main_grad) and placeholders are returned in their place.
 
 Backends: "reference" (megatron_mok.reference, pure PyTorch, any device) and
 "kernel" (the compiled Hopper pass); "auto" picks the kernel where it can run.
@@ -21,6 +23,7 @@ import torch
 
 from megatron_mok import kernel_backend, ops, reference
 from megatron_mok.config import MoKConfig
+from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table
 from megatron_mok.validation import check_expert_ids, check_moe_inputs
 from megatron_mok.workspace import MoKWorkspace, clear_workspace_cache, create_workspace, \
@@ -30,7 +33,7 @@ __all__ = [
     "MoKConfig", "MoKWorkspace", "MoKSchedule", "MoKForwardContext", "MoKGrads",
     "create_workspace", "get_workspace", "clear_workspace_cache", "build_schedule", "forward",
     "backward", "recompute_forward_context", "resolve_backend", "synchronize", "MoKFunction",
-    "fused_moe",
+    "fused_moe", "ExpertGradAccumulator",
 ]
 
 
@@ -143,8 +146,10 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, *, keep
 
 
 def backward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: MoKForwardContext,
-             grad_output: torch.Tensor) -> MoKGrads:
-    """Gradients of every input; d_topk_w is fp32, weight grads in the weights' dtype."""
+             grad_output: torch.Tensor, accumulators: Optional[tuple] = None) -> MoKGrads:
+    """Gradients of every input; d_topk_w is fp32, weight grads in the weights' dtype.
+    accumulators (w1's, w2's ExpertGradAccumulator or None): add that weight's gradient
+    into its buffers and return a placeholder (never read) in its place."""
     if ctx.output is None:
         raise ValueError("the forward context holds no graph; rebuild it with "
                          "recompute_forward_context")
@@ -153,13 +158,18 @@ def backward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: MoKFo
                          f"{tuple(grad_output.shape)} {grad_output.dtype}")
     ctx.output = None  # the context is consumed
     if ctx.backend == "kernel":
-        grads = kernel_backend.backward(ws, sched, ctx.saved, grad_output.contiguous())
+        grads = kernel_backend.backward(ws, sched, ctx.saved, grad_output.contiguous(),
+                                        accumulators)
         ctx.saved = None
         return MoKGrads(*grads)
     wanted = [t for t in ctx.leaves if t is not None]
     grads = torch.autograd.grad(ctx.graph, wanted, grad_output, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads)]
     ctx.graph = None
+    for i, acc in zip((2, 3), accumulators or ()):  # dw1, dw2
+        if acc is not None:
+            acc.add_(grads[i])
+            grads[i] = acc.finish(grads[i])
     return MoKGrads(*grads)
 
 
@@ -180,10 +190,11 @@ class MoKFunction(torch.autograd.Function):
     and backward rebuilds the context first (activation checkpointing)."""
 
     @staticmethod
-    def forward(fctx, x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute):
+    def forward(fctx, x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute,
+                accumulators=None):
         y, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
                           keep_ctx=not recompute)
-        fctx.mok = (config, ws, sched, ctx if not recompute else None)
+        fctx.mok = (config, ws, sched, ctx if not recompute else None, accumulators)
         fctx.has_shared = shared_w1 is not None
         if recompute:
             fctx.save_for_backward(x, topk_w, w1, w2, shared_w1, shared_w2)
@@ -191,25 +202,42 @@ class MoKFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy):
-        config, ws, sched, ctx = fctx.mok
+        config, ws, sched, ctx, accumulators = fctx.mok
         if ctx is None:
             ctx = recompute_forward_context(config, ws, sched, *fctx.saved_tensors)
-        g = backward(config, ws, sched, ctx, dy.contiguous())
+        # Only for weights that want a gradient (a frozen weight's buffers stay untouched).
+        wanted = fctx.needs_input_grad[2:4]
+        accumulators = tuple(a if want else None
+                             for a, want in zip(accumulators or (None, None), wanted))
+        g = backward(config, ws, sched, ctx, dy.contiguous(), accumulators)
         fctx.mok = None
         return (g.dx, g.d_topk_w, g.dw1, g.dw2, g.d_shared_w1, g.d_shared_w2,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1: torch.Tensor,
               w2: torch.Tensor, shared_w1: Optional[torch.Tensor] = None,
               shared_w2: Optional[torch.Tensor] = None, *, group=None,
-              config: Optional[MoKConfig] = None, recompute: bool = False) -> torch.Tensor:
+              config: Optional[MoKConfig] = None, recompute: bool = False,
+              accumulators: Optional[tuple] = None) -> torch.Tensor:
     """The fused MoE layer with autograd: x [T, H], topk_idx [T, K] (global ids, -1 = none),
-    topk_w [T, K] fp32, w1 [E_loc, 2I, H], w2 [E_loc, H, I], optional shared expert."""
+    topk_w [T, K] fp32, w1 [E_loc, 2I, H], w2 [E_loc, H, I], optional shared expert.
+    accumulators: (w1's, w2's) ExpertGradAccumulator, or None for either: backward adds
+    that weight's gradient into the accumulator's buffers (Megatron's main_grad) and
+    returns an uninitialized placeholder as its gradient."""
     config = config or MoKConfig()
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False)
+    if accumulators is not None:
+        if not isinstance(accumulators, tuple) or len(accumulators) != 2 or not all(
+                a is None or isinstance(a, ExpertGradAccumulator) for a in accumulators):
+            raise TypeError("megatron_mok: accumulators must be a pair of "
+                            "ExpertGradAccumulator or None (w1's, w2's)")
+        for acc, w, name in zip(accumulators, (w1, w2), ("w1", "w2")):
+            if acc is not None:
+                acc.check(w, name)
     ws = get_workspace(config, group, device=x.device, num_local_tokens=x.shape[0],
                        hidden_size=x.shape[1], topk=topk_idx.shape[1],
                        num_local_experts=w1.shape[0], dtype=x.dtype)
     sched = build_schedule(ws, config, topk_idx)
-    return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute)
+    return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute,
+                             accumulators)

@@ -233,8 +233,33 @@ def _expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, 
     return x_rows, act, h, y_rows
 
 
-def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor):
-    """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2)."""
+def _weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule,
+                 weight: torch.Tensor, acc) -> torch.Tensor:
+    """dw[e] = a[rows of e]^T @ b[rows of e]: tokens are K, in row-table order; one GEMM
+    owns each output tile. With an accumulator (grad_accumulation) the fp32 gradient goes
+    into its buffers, in the wgrad's epilogue where they lie equally spaced."""
+    offsets = sched.expert_offsets
+    if core != "mok":
+        dw = torch._grouped_mm(a.t(), b, offs=offsets[1:])
+    elif acc is None:
+        return grouped_gemm.wgrad(a, b, offsets)
+    elif acc.fused_target is not None:
+        planes, reverse = acc.fused_target
+        grouped_gemm.wgrad(a, b, offsets, accumulate_into=planes, reverse_experts=reverse)
+        return acc.finish(weight)
+    else:
+        dw = grouped_gemm.wgrad(a, b, offsets, out_dtype=torch.float32)
+    if acc is None:
+        return dw
+    acc.add_(dw)
+    return acc.finish(weight)
+
+
+def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,
+             accumulators=None):
+    """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2). accumulators: (w1's, w2's)
+    ExpertGradAccumulator or None (functional.backward)."""
+    acc1, acc2 = accumulators or (None, None)
     arena, topk = ws.arena, ws.topk
     num_tokens, hidden = dy.shape
     core = gemm_core()
@@ -267,13 +292,8 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     if saved.route_row is None and not fused:  # the megakernel wrote the slots itself
         ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk,
                       scalars=dots, scalar_offset=arena.offset("d_topk_w"))
-    # Weight gradients: tokens are K, in row-table order; one GEMM owns each output tile.
-    if core == "mok":
-        dw2 = grouped_gemm.wgrad(d_out, saved.act, sched.expert_offsets)
-        dw1 = grouped_gemm.wgrad(d_h, saved.x_rows, sched.expert_offsets)
-    else:
-        dw2 = torch._grouped_mm(d_out.t(), saved.act, offs=offs)
-        dw1 = torch._grouped_mm(d_h.t(), saved.x_rows, offs=offs)
+    dw2 = _weight_grad(core, d_out, saved.act, sched, saved.w2, acc2)
+    dw1 = _weight_grad(core, d_h, saved.x_rows, sched, saved.w1, acc1)
     arena.barrier()
     routed = saved.topk_idx >= 0
     ones = routed.to(torch.float32)

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks pending since 2026-12-03 night, in calls of under 10 minutes on an H200
 # with the extension built. Results under ${OUT:-gpu_out}/.
-#   PART=tests: the backward megakernel's tests (never run yet; EP = 1, then the EP rank
-#     tests with MOK_BACKWARD=megakernel), the whole forward
-#     megakernel suite (spread mode's across-minibatch case failed on a test bug fixed in
-#     b1816a7), and the v1 GPU suite on the spread default (the last 3 tests were cut by a
-#     time limit at ae2330e).
+#   PART=tests: what never ran on a GPU: the GPU row table, the backward megakernel's
+#     tests (EP = 1, then the EP rank tests with MOK_BACKWARD=megakernel), the wgrad's
+#     strided / reversed reduce-add and main_grad fusion on the kernel backend.
+#   PART=suites: the whole forward megakernel suite (spread mode's across-minibatch case
+#     failed on a test bug fixed in b1816a7) and the v1 GPU suite on the spread default
+#     (the last 3 tests were cut by a time limit at ae2330e).
 #   PART=bench: the layer backward with MOK_BACKWARD=megakernel vs the chain (issue 6), the
 #     layer forward and backward on the defaults vs torch-unfused, and the per-category
-#     breakdown.
-#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|bench bash scripts/pending_gpu_checks.sh
+#     breakdown; wgrad into main_grad three ways (benchmarks.main_grad).
+#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench bash scripts/pending_gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -24,16 +25,27 @@ if [ "$part" = tests ]; then
     > "$OUT/test_backward_megakernel.log" 2>&1
   grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" \
     "$OUT/test_backward_megakernel.log" | head -20
-  timeout 200 $PY -m pytest -q -ra tests/test_megakernel.py > "$OUT/test_megakernel.log" 2>&1
-  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_megakernel.log" | head -12
-  timeout 170 $PY -m pytest -q -ra -m gpu tests/test_extension.py tests/test_gpu_backend.py \
-    > "$OUT/test_v1.log" 2>&1
-  grep -E "^FAILED|passed|failed" "$OUT/test_v1.log" | head -5
+  # Gradient-accumulation fusion: the wgrad adding into per-expert buffers (apart,
+  # backwards), then the kernel backend's adds for four buffer layouts.
+  timeout 90 $PY -m pytest -q -ra tests/test_grouped_gemm.py -k "accumulates" \
+    > "$OUT/test_wgrad_accumulate.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_wgrad_accumulate.log" | head -8
+  timeout 120 $PY -m pytest -q -ra tests/test_gpu_backend.py -k "main_grad" \
+    > "$OUT/test_main_grad.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_main_grad.log" | head -8
   # EP = 2/4/8 as processes on one GPU with the backward megakernel (pulls from the peers'
   # arenas, writes their slots): gradients vs the reference.
   MOK_BACKWARD=megakernel timeout 150 $PY -m pytest -q -ra -m gpu tests/test_gpu_backend.py \
     -k ep_ranks > "$OUT/test_ep_backward.log" 2>&1
   grep -E "^FAILED|passed|failed" "$OUT/test_ep_backward.log" | head -5
+  exit 0
+fi
+if [ "$part" = suites ]; then
+  timeout 200 $PY -m pytest -q -ra tests/test_megakernel.py > "$OUT/test_megakernel.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_megakernel.log" | head -12
+  timeout 300 $PY -m pytest -q -ra -m gpu tests/test_extension.py tests/test_gpu_backend.py \
+    > "$OUT/test_v1.log" 2>&1
+  grep -E "^FAILED|passed|failed" "$OUT/test_v1.log" | head -5
   exit 0
 fi
 for bwd in launches megakernel; do
@@ -52,3 +64,6 @@ MOK_SCHEDULE=kernel timeout 60 $PY -m benchmarks.layer --shapes qwen3-30b-a3b,qw
 grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-sched.log"
 timeout 100 $PY -m benchmarks.breakdown --shapes "$shapes" --iters 3 --out "$OUT" 2>&1 \
   | grep -E "fwd|bwd|wrote" | grep -v Warn
+# Expert weight gradients into main_grad: unfused (bf16 + per-expert adds), fp32 +
+# foreach, fused in the wgrad's epilogue (Megatron's buffer layouts).
+timeout 90 $PY -m benchmarks.main_grad --out "$OUT" 2>&1 | grep -vi warn | tail -14

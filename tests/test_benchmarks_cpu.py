@@ -482,3 +482,17 @@ def test_breakdown_categories_name_our_kernels_and_torch_gemms():
         == "torch gemm"
     assert breakdown.category("void at::native::index_put_kernel") == "schedule / index"
     assert breakdown.category("void at::native::vectorized_elementwise_kernel") == "other"
+
+
+@pytest.mark.parametrize("layout", ["te", "sequential"])
+def test_main_grad_benchmark_lays_buffers_out_as_megatron(layout):
+    """benchmarks.main_grad's buffers tile the grad buffer exactly once, backwards, and one
+    fused wgrad launch can reach each weight's."""
+    from benchmarks import main_grad as MG
+    flat, acc1, acc2 = MG.main_grads(layout, 4, torch.Size((48, 32)), torch.Size((32, 24)),
+                                     torch.device("cpu"))
+    for acc in (acc1, acc2):
+        assert acc.fused_target is not None and acc.fused_target[1]  # backwards
+        for buf in acc.buffers:
+            buf.add_(1)
+    assert torch.equal(flat, torch.ones_like(flat))

@@ -87,6 +87,60 @@ def test_bitwise_deterministic_over_repeats():
         assert torch.equal(first[1][name], second[1][name]), name
 
 
+def _main_grad_buffers(layout, w1, w2):
+    """Per-expert fp32 main_grads of w1 and w2 (random start values) laid out as
+    `stacked` (expert order, back to back), `te` (Megatron's buffer of a TEGroupedMLP:
+    backwards), `sequential` (a SequentialMLP's: fc1 and fc2 interleaved, backwards) or
+    `uneven` (a gap between two experts: the multi-tensor fallback)."""
+    E, n1, n2 = w1.shape[0], w1[0].numel(), w2[0].numel()
+    flat = torch.randn(E * (n1 + n2) + 64, device="cuda")
+    if layout == "stacked":
+        starts1 = [e * n1 for e in range(E)]
+        starts2 = [E * n1 + e * n2 for e in range(E)]
+    elif layout == "te":
+        starts2 = [(E - 1 - e) * n2 for e in range(E)]
+        starts1 = [E * n2 + (E - 1 - e) * n1 for e in range(E)]
+    elif layout == "sequential":
+        starts2 = [(E - 1 - e) * (n1 + n2) for e in range(E)]
+        starts1 = [s + n2 for s in starts2]
+    else:  # uneven
+        starts1 = [e * n1 + (64 if e == E - 1 else 0) for e in range(E)]
+        starts2 = [E * n1 + 64 + e * n2 for e in range(E)]
+    fc1 = [flat[s:s + n1].view(w1.shape[1:]) for s in starts1]
+    fc2 = [flat[s:s + n2].view(w2.shape[1:]) for s in starts2]
+    return flat, fc1, fc2
+
+
+@pytest.mark.parametrize("layout", ["stacked", "te", "sequential", "uneven"])
+def test_weight_grads_accumulate_into_main_grad(layout):
+    """Megatron's gradient-accumulation fusion on the kernel backend: the fp32 weight
+    gradients land in each expert's own main_grad, whatever the buffer's layout (one wgrad
+    launch or the multi-tensor fallback), match the reference, add up over two backwards
+    and repeat bit for bit; the other gradients do not change."""
+    from megatron_mok.grad_accumulation import ExpertGradAccumulator
+    inputs = _inputs("qwen3-30b-a3b", 1000, seed=5)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    _, plain = _run(inputs, KERNEL, dy)
+    _, grads_ref = _run(inputs, MoKConfig(backend="reference"), dy)
+    ends = []
+    for _ in range(2):  # two identical runs
+        flat, fc1, fc2 = _main_grad_buffers(layout, inputs["w1"], inputs["w2"])
+        torch.manual_seed(0)
+        flat.copy_(torch.randn(flat.shape, device="cuda"))
+        start1, start2 = torch.stack(fc1), torch.stack(fc2)
+        accs = (ExpertGradAccumulator(fc1), ExpertGradAccumulator(fc2))
+        assert (accs[0].fused_target is None) == (layout == "uneven")
+        for _ in range(2):  # two backwards accumulate
+            _, grads = _run(inputs, KERNEL, dy, accumulators=accs)
+        for name in ("x", "topk_w"):
+            assert torch.equal(grads[name], plain[name]), name
+        for start, bufs, name in ((start1, fc1, "w1"), (start2, fc2, "w2")):
+            added = torch.stack(bufs) - start
+            assert rel_l2(added, 2 * grads_ref[name].float()) < 1e-2, (layout, name)
+        ends.append(flat.clone())
+    assert torch.equal(ends[0], ends[1])
+
+
 def test_cuda_graph_replay_equals_eager():
     inputs = _inputs("qwen3-30b-a3b", 384)
     x, idx, w = inputs["x"], inputs["topk_idx"], inputs["topk_w"]

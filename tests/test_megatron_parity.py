@@ -131,6 +131,60 @@ def test_rehomed_expert_weights_warn_once_and_still_match():
     run_distributed(_rehomed_fn, 1)
 
 
+def _with_main_grads(model):
+    """Megatron's DDP in miniature: one fp32 grad buffer holding the parameters backwards,
+    each start padded to 64 elements (the distributed optimizer's layout), `main_grad`
+    views into it, and the hook that adds param.grad unless the layer already added it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    starts, end = [], 0
+    for p in reversed(params):
+        end = -(-end // 64) * 64
+        starts.append(end)
+        end += p.numel()
+    flat = torch.zeros(end)
+
+    def hook(p):
+        if p.grad is not None and not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p, start in zip(reversed(params), starts):
+        p.main_grad = flat[start:start + p.numel()].view(p.shape)
+        p.grad_added_to_main_grad = False
+        p.register_post_accumulate_grad_hook(hook)
+    return flat
+
+
+def _main_grad_fn(rank, world_size):
+    from megatron_mok.config import MoKConfig
+    from megatron_mok.megatron import MokMoELayer
+    from megatron_mok.megatron.layer import expert_weight_list
+    _setup(world_size)
+    unfused, fused = _build("mok", None), _build("mok", None)
+    fused.load_state_dict(unfused.state_dict())
+    layers = [m for m in fused.modules() if isinstance(m, MokMoELayer)]
+    for layer in layers:
+        layer.mok_config = MoKConfig(backend="reference", main_grad_fusion="on")
+    buffers = [_with_main_grads(m) for m in (unfused, fused)]
+    for seed in (0, 1):  # two micro-batches accumulate
+        for model in (unfused, fused):
+            _loss(model, seed).backward()
+    assert buffers[0].abs().sum() > 0
+    torch.testing.assert_close(buffers[1], buffers[0], rtol=1e-6, atol=1e-7)
+    for layer in layers:
+        fc1, fc2 = expert_weight_list(layer.experts)
+        assert all(p.grad_added_to_main_grad and p.grad is None for p in (*fc1, *fc2))
+        # SequentialMLP's fc1 and fc2 interleave backwards: one wgrad launch reaches all.
+        assert all(acc.fused_target is not None and acc.fused_target[1]
+                   for acc in layer._accumulators)
+    assert not any(p.grad_added_to_main_grad for n, p in unfused.named_parameters())
+
+
+@pytest.mark.slow
+def test_expert_weight_grads_go_straight_into_main_grad():
+    run_distributed(_main_grad_fn, 1)
+
+
 def _checkpoint_fn(rank, ep_size, ckpt_root):
     from megatron.core import dist_checkpointing
     _setup(ep_size)

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import typing
 
-from megatron_mok.config import BACKENDS, MoKConfig
+from megatron_mok.config import BACKENDS, MAIN_GRAD_FUSION, MoKConfig
 
 DISPATCHER_TYPE = "mok"
 
@@ -53,6 +53,11 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-no-autotune", action="store_true",
                        help="Ignore the cached autotune plan (megatron_mok.autotune); use "
                             "the --mok-* knobs and the launch chain.")
+    group.add_argument("--mok-main-grad-fusion", choices=MAIN_GRAD_FUSION,
+                       default=defaults.main_grad_fusion,
+                       help="Add the expert weight gradients straight into main_grad: auto "
+                            "follows --gradient-accumulation-fusion, on whenever DDP gives "
+                            "the parameters a main_grad.")
     return parser
 
 
@@ -67,4 +72,5 @@ def mok_config_from_args(args: argparse.Namespace) -> MoKConfig:
         backend=args.mok_backend,
         debug_checks=args.mok_debug_checks,
         autotune=not getattr(args, "mok_no_autotune", False),
+        main_grad_fusion=getattr(args, "mok_main_grad_fusion", "auto"),
     )

@@ -19,48 +19,23 @@ of the distributed optimizer) only costs the copy again, never correctness.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-
-def _uniform(params: Sequence[torch.Tensor]) -> bool:
-    """Plain dense tensors (no DTensor or other subclass: their storage is not theirs) of
-    one shape, dtype and device."""
-    first = params[0]
-    return all(type(p.data) is torch.Tensor and p.layout == torch.strided
-               and p.shape == first.shape and p.dtype == first.dtype
-               and p.device == first.device and p.is_contiguous() for p in params)
+from megatron_mok.stacked import stacked_alias, uniform_dense
 
 
 def share_one_storage(params: Sequence[torch.nn.Parameter]) -> bool:
     """Move the parameters' data into one [E, ...] tensor (each a view of its slice).
     False, and nothing changed, if they differ in shape, dtype or device."""
-    if len(params) < 2 or not _uniform(params):
+    if len(params) < 2 or not uniform_dense(params):
         return False
     with torch.no_grad():
         stacked = torch.stack([p.detach() for p in params])
         for e, p in enumerate(params):
             p.data = stacked[e]
     return True
-
-
-def stacked_alias(params: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[E, *shape] tensor over the parameters' own memory if they lie back to back in
-    expert order in one storage (as share_one_storage leaves them), else None."""
-    if not params or not _uniform(params):
-        return None
-    first = params[0]
-    storage = first.untyped_storage()
-    step = first.numel()
-    for e, p in enumerate(params):
-        if p.untyped_storage().data_ptr() != storage.data_ptr() or \
-                p.storage_offset() != first.storage_offset() + e * step:
-            return None
-    out = first.new_empty(0)
-    out.set_(storage, first.storage_offset(), (len(params), *first.shape),
-             (step, *first.stride()))
-    return out
 
 
 class _StackExperts(torch.autograd.Function):

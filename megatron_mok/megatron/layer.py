@@ -5,8 +5,10 @@ module is the one Megatron's spec builds (SequentialMLP or TEGroupedMLP), kept f
 its parameters only, so checkpoints move between `alltoall`/`flex` and `mok` both
 ways; their data is laid back to back per weight (expert_weights) so that the fused
 pass reads them stacked without copying them every forward (a warning says so once if
-something re-homes them and the pass copies again). Every configuration the fused pass
-does not implement fails here, naming the flag; nothing falls back silently.
+something re-homes them and the pass copies again). Under Megatron's DDP the experts'
+weight gradients go straight into their `main_grad` (gradient-accumulation fusion,
+MoKConfig.main_grad_fusion). Every configuration the fused pass does not implement fails
+here, naming the flag; nothing falls back silently.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe
+from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
 from megatron_mok.megatron.expert_weights import share_one_storage, stack_experts
 
@@ -95,6 +98,7 @@ class MokMoELayer(MoELayer):
         # to back so that the fused pass reads them stacked without a copy.
         fc1, fc2 = expert_weight_list(self.experts)
         self._weights_in_place = share_one_storage(fc1) & share_one_storage(fc2)
+        self._accumulators = (None, None)  # built once per set of main_grad buffers
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
@@ -110,5 +114,35 @@ class MokMoELayer(MoELayer):
                           "stacked tensor (docs/design-notes.md)", stacklevel=2)
         output = fused_moe(
             hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
-            w1, w2, group=self.ep_group, config=self.mok_config)
+            w1, w2, group=self.ep_group, config=self.mok_config,
+            accumulators=self._main_grad_accumulators(fc1, fc2))
         return output, None
+
+    def _main_grad_accumulators(self, fc1, fc2):
+        """(fc1's, fc2's) ExpertGradAccumulator over the parameters' main_grad when fusion
+        is on and DDP gave every expert weight one, else None: the backward then adds into
+        main_grad and marks grad_added_to_main_grad, as Megatron's fused linears do."""
+        mode = self.mok_config.main_grad_fusion
+        if mode == "off" or (mode == "auto" and
+                             not getattr(self.config, "gradient_accumulation_fusion", False)):
+            return None
+        if not torch.is_grad_enabled():
+            return None
+        grads = [getattr(p, "main_grad", None) for p in (*fc1, *fc2)]
+        if any(g is None for g in grads) or not all(p.requires_grad for p in (*fc1, *fc2)):
+            return None
+        cached = self._accumulators
+        if cached[0] is not None and all(
+                a is b for a, b in zip(grads, (*cached[0].buffers, *cached[1].buffers))):
+            return cached
+        self._accumulators = tuple(
+            ExpertGradAccumulator([p.main_grad for p in params],
+                                  on_added=lambda params=params: _mark_added(params))
+            for params in (fc1, fc2))
+        return self._accumulators
+
+
+def _mark_added(params) -> None:
+    """Megatron's DDP hook then skips its own add (and drops the placeholder gradient)."""
+    for p in params:
+        p.grad_added_to_main_grad = True
