@@ -33,7 +33,7 @@ class ExpertGradAccumulator:
     """The gradient buffers of one expert weight, one [*shape] tensor per local expert."""
 
     def __init__(self, buffers: Sequence[torch.Tensor],
-                 on_added: Optional[Callable[[], None]] = None):
+                 on_added: Optional[Callable[[], None]] = None, zero_placeholder: bool = False):
         buffers = list(buffers)
         if not buffers or not all(isinstance(b, torch.Tensor) for b in buffers):
             raise TypeError("megatron_mok: ExpertGradAccumulator needs one tensor per expert")
@@ -45,6 +45,7 @@ class ExpertGradAccumulator:
                             f"got {buffers[0].dtype}")
         self.buffers = buffers
         self.on_added = on_added
+        self.zero_placeholder = zero_placeholder  # for callers that add it anyway
         # (planes [E, *shape] over the buffers, reversed: planes[j] is buffer E - 1 - j).
         self.fused_target = _equally_spaced_planes(buffers)
 
@@ -68,10 +69,11 @@ class ExpertGradAccumulator:
 
     def finish(self, weight: torch.Tensor) -> torch.Tensor:
         """After the gradient went into the buffers: tell the caller, and return the
-        placeholder the pass hands autograd for `weight` (uninitialized, never read)."""
+        placeholder the pass hands autograd for `weight` (uninitialized and never read,
+        or zeros with zero_placeholder)."""
         if self.on_added is not None:
             self.on_added()
-        return torch.empty_like(weight)
+        return torch.zeros_like(weight) if self.zero_placeholder else torch.empty_like(weight)
 
 
 def _equally_spaced_planes(buffers: Sequence[torch.Tensor]

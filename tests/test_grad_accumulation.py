@@ -163,3 +163,12 @@ def test_config_knob_and_megatron_flag():
     assert mok_config_from_args(parser.parse_args([])).main_grad_fusion == "auto"
     args = parser.parse_args(["--mok-main-grad-fusion", "on"])
     assert mok_config_from_args(args).main_grad_fusion == "on"
+
+
+def test_zero_placeholder_for_callers_that_add_it_anyway():
+    # Megatron's DDP adds param.grad into main_grad even after the layer did when the
+    # parameter has zero_out_wgrad: the placeholder must then be zeros.
+    w = torch.randn(E, H, I)
+    assert torch.equal(ExpertGradAccumulator([torch.zeros(H, I)] * 1, zero_placeholder=True)
+                       .finish(w), torch.zeros_like(w))
+    assert ExpertGradAccumulator([torch.zeros(H, I)]).finish(w).shape == w.shape

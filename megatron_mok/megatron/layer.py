@@ -135,9 +135,12 @@ class MokMoELayer(MoELayer):
         if cached[0] is not None and all(
                 a is b for a, b in zip(grads, (*cached[0].buffers, *cached[1].buffers))):
             return cached
+        # DDP adds the returned gradient even so into a param with zero_out_wgrad.
         self._accumulators = tuple(
             ExpertGradAccumulator([p.main_grad for p in params],
-                                  on_added=lambda params=params: _mark_added(params))
+                                  on_added=lambda params=params: _mark_added(params),
+                                  zero_placeholder=any(getattr(p, "zero_out_wgrad", False)
+                                                       for p in params))
             for params in (fc1, fc2))
         return self._accumulators
 
