@@ -1,9 +1,10 @@
 """Summarise `scripts/train_compare.sh` logs: loss curves and tokens/s of `mok` vs
-`alltoall`, and whether two `mok` runs gave identical losses.
+`alltoall`, whether two `mok` runs gave identical losses, and how far a run with the
+expert weight gradients fused into main_grad (`mokfused`) strays from `mok`.
 
     python -m benchmarks.train_report LOG... [--out DIR]
 
-Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2}. Tokens/s is the
+Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2, mokfused}. Tokens/s is the
 median over steps after the first 5 (warm-up); a config named `<name>-ep<N>` ran on N GPUs
 and also gets tokens/s per GPU. Writes <date>-h200-train-ep1.json (…-train-ep<N>.json when
 every config is an EP-N run).
@@ -61,6 +62,13 @@ def summarise(runs: dict) -> dict:
                                              for k, v in entry["tokens_per_s"].items()}
         if mok and mok2 and mok["loss"]:
             entry["mok_runs_identical"] = mok["loss"] == mok2["loss"]
+        fused = by_run.get("mokfused")
+        if mok and fused and mok["loss"] and fused["loss"]:
+            n = min(len(mok["loss"]), len(fused["loss"]))
+            # fp32 gradient sums instead of bf16 gradients: close, not identical.
+            entry["max_abs_loss_diff_fused_vs_mok"] = max(
+                abs(a - b) for a, b in zip(mok["loss"][:n], fused["loss"][:n]))
+            entry["tokens_per_s_fused"] = tput(fused)
         out[cfg] = entry
     return out
 
@@ -72,7 +80,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs: dict = {}
     for log in args.logs:
-        m = re.match(r"train_(.+)_(mok2|mok|alltoall)\.log$", os.path.basename(log))
+        m = re.match(r"train_(.+)_(mok2|mokfused|mok|alltoall)\.log$", os.path.basename(log))
         if m:
             runs.setdefault(m[1], {})[m[2]] = parse(Path(log))
     summary = summarise(runs)

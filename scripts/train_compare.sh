@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Megatron GPT-MoE training on one GPU, `mok` vs `alltoall` (EP=1), 50 steps each:
 # the tiny config and a 2-layer slice of Qwen3-30B-A3B, plus a second `mok` run of each
-# to check run-to-run identical losses. --deterministic-mode on every run. Logs under
+# to check run-to-run identical losses, and a `mok` run with the expert weight gradients
+# added straight into Megatron DDP's main_grad (mokfused: --mok-main-grad-fusion on).
+# --deterministic-mode on every run. Logs under
 # ${OUT:-gpu_out}/train_*.log, summary JSON from `python -m benchmarks.train_report`.
 # Env: CONFIGS (default "tiny qwen3"; "qwen3-ep8" = the 16-layer Qwen3-30B-A3B config at
 # EP 8 on an 8-GPU machine, issue 7's end-to-end run), STEPS (50), RUN_TIMEOUT (seconds per
-# run; 240, qwen3-ep8 900).
+# run; 240, qwen3-ep8 900), RUNS (default "mok alltoall mok2 mokfused").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -23,10 +25,11 @@ for cfg in ${CONFIGS:-tiny qwen3}; do
            extra=(--lr-warmup-iters 5 --num-workers 0); nproc=8 limit=${RUN_TIMEOUT:-900} ;;
     *) echo "unknown config $cfg"; continue ;;
   esac
-  for run in mok alltoall mok2; do
-    disp=${run%2}
+  for run in ${RUNS:-mok alltoall mok2 mokfused}; do
+    disp=${run%2} fused=()
+    [ "$run" = mokfused ] && disp=mok fused=(--mok-main-grad-fusion on)
     NPROC=$nproc timeout "$limit" bash examples/train.sh "$file" "$disp" "${common[@]}" "${extra[@]}" \
-      > "$OUT/train_${cfg}_${run}.log" 2>&1
+      "${fused[@]}" > "$OUT/train_${cfg}_${run}.log" 2>&1
     echo "$cfg $run exit $?: $(grep -cF '[megatron_mok] step' "$OUT/train_${cfg}_${run}.log") steps"
   done
 done

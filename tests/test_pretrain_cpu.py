@@ -29,9 +29,10 @@ STEP_RE = re.compile(
 _RUNS: dict = {}
 
 
-def _train(dispatcher: str, ep: int) -> list[float]:
-    """Losses of an ITERS-step run (cached per (dispatcher, ep) for the session)."""
-    key = (dispatcher, ep)
+def _train(dispatcher: str, ep: int, extra: tuple = ()) -> list[float]:
+    """Losses of an ITERS-step run (cached per (dispatcher, ep, extra flags) for the
+    session)."""
+    key = (dispatcher, ep, extra)
     if key in _RUNS:
         return _RUNS[key]
     env = dict(os.environ)
@@ -42,7 +43,7 @@ def _train(dispatcher: str, ep: int) -> list[float]:
         NPROC=str(ep),
     )
     cmd = ["bash", str(TRAIN_SH), str(CONFIG), dispatcher,
-           "--train-iters", str(ITERS), "--expert-model-parallel-size", str(ep)]
+           "--train-iters", str(ITERS), "--expert-model-parallel-size", str(ep), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=240)
     out = proc.stdout
@@ -102,3 +103,14 @@ def test_mok_trains(ep):
     ref = _train("alltoall", ep)
     worst = max(abs(a - b) for a, b in zip(ref, losses))
     assert worst < 0.25, f"mok diverges from alltoall (EP={ep}) by {worst}:\n{ref}\n{losses}"
+
+
+def test_mok_adds_expert_grads_into_megatron_main_grad():
+    """--mok-main-grad-fusion on under Megatron's own DDP (two micro-batches per step): the
+    layer adds the expert weight gradients into main_grad itself and DDP's hook skips them;
+    the run must follow the unfused one (fp32 here: the same sums)."""
+    fused = _train("mok", 1, ("--mok-main-grad-fusion", "on"))
+    _assert_trains(fused)
+    plain = _train("mok", 1)
+    worst = max(abs(a - b) for a, b in zip(plain, fused))
+    assert worst < 1e-4, f"fused main_grad diverges by {worst}:\n{plain}\n{fused}"

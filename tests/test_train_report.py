@@ -47,3 +47,16 @@ def test_ep_runs_report_tokens_per_gpu(tmp_path):
     assert entry["gpus"] == 8
     assert entry["tokens_per_s_per_gpu"] == {"mok": 80005.5 / 8, "alltoall": 40005.5 / 8}
     assert list(tmp_path.glob("*-train-ep8.json"))
+
+
+def test_fused_main_grad_run_is_compared_with_mok(tmp_path):
+    mok = [6.9, 6.5, 6.1, 5.8, 5.5, 5.2, 5.0]
+    _log(tmp_path / "train_tiny_mok.log", mok, tps=2000)
+    _log(tmp_path / "train_tiny_mokfused.log", [x + 0.002 for x in mok], tps=2100)
+    logs = sorted(str(p) for p in tmp_path.glob("*.log"))
+    assert train_report.main(logs + ["--out", str(tmp_path)]) == 0
+    runs = {"tiny": {k: train_report.parse(tmp_path / f"train_tiny_{k}.log")
+                     for k in ("mok", "mokfused")}}
+    tiny = train_report.summarise(runs)["tiny"]
+    assert abs(tiny["max_abs_loss_diff_fused_vs_mok"] - 0.002) < 1e-9
+    assert tiny["tokens_per_s_fused"] == 2105.5
