@@ -82,7 +82,7 @@ def _equally_spaced_planes(buffers: Sequence[torch.Tensor]
     one [E, *shape] view over them, lowest address first, and whether that order is the
     experts' backwards; else None."""
     first = buffers[0]
-    if first.dtype != torch.float32:
+    if first.dtype != torch.float32 or first.dim() != 2:  # wgrad's [E, M, N]
         return None
     storage = first.untyped_storage().data_ptr()
     if any(b.untyped_storage().data_ptr() != storage for b in buffers):

@@ -178,6 +178,19 @@ def _main_grad_fn(rank, world_size):
         assert all(acc.fused_target is not None and acc.fused_target[1]
                    for acc in layer._accumulators)
     assert not any(p.grad_added_to_main_grad for n, p in unfused.named_parameters())
+    # Not Megatron's DDP (no grad_added_to_main_grad), its FSDP, or main_grads the fused
+    # add cannot take (mixed dtypes): the layer leaves main_grad to DDP's hook.
+    layer = layers[0]
+    fc1, fc2 = expert_weight_list(layer.experts)
+    assert layer._main_grad_accumulators(fc1, fc2) is not None
+    del fc1[0].grad_added_to_main_grad
+    assert layer._main_grad_accumulators(fc1, fc2) is None
+    fc1[0].grad_added_to_main_grad = False
+    fc1[0].__fsdp_param__ = True
+    assert layer._main_grad_accumulators(fc1, fc2) is None
+    del fc1[0].__fsdp_param__
+    fc2[0].main_grad = fc2[0].main_grad.double()
+    assert layer._main_grad_accumulators(fc1, fc2) is None
 
 
 @pytest.mark.slow

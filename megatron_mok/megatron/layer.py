@@ -128,20 +128,29 @@ class MokMoELayer(MoELayer):
             return None
         if not torch.is_grad_enabled():
             return None
-        grads = [getattr(p, "main_grad", None) for p in (*fc1, *fc2)]
-        if any(g is None for g in grads) or not all(p.requires_grad for p in (*fc1, *fc2)):
+        params = (*fc1, *fc2)
+        # Megatron's DDP (grad_added_to_main_grad says its hook checks the flag); not its
+        # FSDP, whose main_grad must be fetched anew each step (get_main_grad).
+        if not all(p.requires_grad and getattr(p, "main_grad", None) is not None
+                   and hasattr(p, "grad_added_to_main_grad")
+                   and not hasattr(p, "__fsdp_param__") for p in params):
             return None
+        grads = [p.main_grad for p in params]
         cached = self._accumulators
         if cached[0] is not None and all(
                 a is b for a, b in zip(grads, (*cached[0].buffers, *cached[1].buffers))):
             return cached
-        # DDP adds the returned gradient even so into a param with zero_out_wgrad.
-        self._accumulators = tuple(
-            ExpertGradAccumulator([p.main_grad for p in params],
-                                  on_added=lambda params=params: _mark_added(params),
-                                  zero_placeholder=any(getattr(p, "zero_out_wgrad", False)
-                                                       for p in params))
-            for params in (fc1, fc2))
+        try:
+            # DDP adds the returned gradient even so into a param with zero_out_wgrad.
+            self._accumulators = tuple(
+                ExpertGradAccumulator([p.main_grad for p in weights],
+                                      on_added=lambda weights=weights: _mark_added(weights),
+                                      zero_placeholder=any(getattr(p, "zero_out_wgrad", False)
+                                                           for p in weights))
+                for weights in (fc1, fc2))
+        except (TypeError, ValueError):  # e.g. main_grads of mixed dtypes: DDP adds
+            self._accumulators = (None, None)
+            return None
         return self._accumulators
 
 
