@@ -189,6 +189,11 @@ def make_weights(local: S.LocalShape, device, seed: int = 0,
         return t.mul_(WEIGHT_STD).requires_grad_(True)
 
     e, h, i = local.num_local_experts, local.hidden, local.inter
+    if local.shared_inter == i:
+        # The shared weights right after the experts' in one storage, so that
+        # MOK_SHARED_EXPERT=folded reads them stacked without a copy (megatron_mok.shared_fold).
+        w1, w2 = rnd(e + 1, 2 * i, h).detach(), rnd(e + 1, h, i).detach()
+        return Weights(*(t.requires_grad_(True) for t in (w1[:e], w2[:e], w1[e], w2[e])))
     w = Weights(rnd(e, 2 * i, h), rnd(e, h, i))
     if local.shared_inter:
         w.shared_w1 = rnd(2 * local.shared_inter, h)

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import kernel_backend, ops, reference
+from megatron_mok import kernel_backend, ops, reference, shared_fold
 from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table
@@ -235,6 +235,14 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
         for acc, w, name in zip(accumulators, (w1, w2), ("w1", "w2")):
             if acc is not None:
                 acc.check(w, name)
+    if accumulators is None and shared_fold.mode() == "folded" and \
+            shared_fold.foldable(w1, w2, shared_w1, shared_w2):
+        # The shared expert as local expert E_loc (shared_fold): one more route per token.
+        ep_rank = torch.distributed.get_rank(group) if group is not None else 0
+        topk_idx, topk_w = shared_fold.fold_routing(topk_idx, topk_w, w1.shape[0], ep_rank)
+        w1 = shared_fold.append_expert(w1, shared_w1)
+        w2 = shared_fold.append_expert(w2, shared_w2)
+        shared_w1 = shared_w2 = None
     ws = get_workspace(config, group, device=x.device, num_local_tokens=x.shape[0],
                        hidden_size=x.shape[1], topk=topk_idx.shape[1],
                        num_local_experts=w1.shape[0], dtype=x.dtype)

@@ -8,9 +8,12 @@
 #     failed on a test bug fixed in b1816a7) and the v1 GPU suite on the spread default
 #     (the last 3 tests were cut by a time limit at ae2330e).
 #   PART=bench: the layer backward with MOK_BACKWARD=megakernel vs the chain (issue 6), the
-#     layer forward and backward on the defaults vs torch-unfused, and the per-category
-#     breakdown; wgrad into main_grad three ways (benchmarks.main_grad).
-#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench bash scripts/pending_gpu_checks.sh
+#     layer forward and backward on the defaults vs torch-unfused.
+#   PART=bench2: the layer forward with the GPU row table, the per-category breakdown,
+#     wgrad into main_grad three ways (benchmarks.main_grad), the layer with the shared
+#     expert folded into the expert pass (MOK_SHARED_EXPERT=folded).
+#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2 \
+#     bash scripts/pending_gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -30,7 +33,7 @@ if [ "$part" = tests ]; then
   timeout 90 $PY -m pytest -q -ra tests/test_grouped_gemm.py -k "accumulates" \
     > "$OUT/test_wgrad_accumulate.log" 2>&1
   grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_wgrad_accumulate.log" | head -8
-  timeout 120 $PY -m pytest -q -ra tests/test_gpu_backend.py -k "main_grad" \
+  timeout 120 $PY -m pytest -q -ra tests/test_gpu_backend.py -k "main_grad or folded" \
     > "$OUT/test_main_grad.log" 2>&1
   grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_main_grad.log" | head -8
   # EP = 2/4/8 as processes on one GPU with the backward megakernel (pulls from the peers'
@@ -48,15 +51,20 @@ if [ "$part" = suites ]; then
   grep -E "^FAILED|passed|failed" "$OUT/test_v1.log" | head -5
   exit 0
 fi
-for bwd in launches megakernel; do
-  MOK_BACKWARD=$bwd timeout 120 $PY -m benchmarks.layer --shapes "$shapes" --tokens 8192 \
-    --backends mok --pass bwd --iters 20 --out "$OUT/layer-bwd-$bwd" > "$OUT/layer-bwd-$bwd.log" 2>&1
-  echo "== MOK_BACKWARD=$bwd"
-  grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
-done
-timeout 150 $PY -m benchmarks.layer --tokens 8192 --backends mok,torch-unfused --iters 20 \
-  --out "$OUT/layer" > "$OUT/layer.log" 2>&1
-grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer.log"
+if [ "$part" = bench ]; then
+  for bwd in launches megakernel; do
+    MOK_BACKWARD=$bwd timeout 120 $PY -m benchmarks.layer --shapes "$shapes" --tokens 8192 \
+      --backends mok --pass bwd --iters 20 --out "$OUT/layer-bwd-$bwd" \
+      > "$OUT/layer-bwd-$bwd.log" 2>&1
+    echo "== MOK_BACKWARD=$bwd"
+    grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
+  done
+  timeout 150 $PY -m benchmarks.layer --tokens 8192 --backends mok,torch-unfused --iters 20 \
+    --out "$OUT/layer" > "$OUT/layer.log" 2>&1
+  grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer.log"
+  exit 0
+fi
+# PART=bench2
 # The layer forward with the GPU row table (host overhead of the small shapes).
 MOK_SCHEDULE=kernel timeout 60 $PY -m benchmarks.layer --shapes qwen3-30b-a3b,qwen3.5-like \
   --tokens 8192 --backends mok --pass fwd --iters 20 --out "$OUT/layer-sched" \
@@ -67,3 +75,8 @@ timeout 100 $PY -m benchmarks.breakdown --shapes "$shapes" --iters 3 --out "$OUT
 # Expert weight gradients into main_grad: unfused (bf16 + per-expert adds), fp32 +
 # foreach, fused in the wgrad's epilogue (Megatron's buffer layouts).
 timeout 90 $PY -m benchmarks.main_grad --out "$OUT" 2>&1 | grep -vi warn | tail -14
+# The shared expert folded into the expert pass (deepseek-v3, dsv4-pro: Is = I), against
+# the separate shared expert of PART=bench's layer run.
+MOK_SHARED_EXPERT=folded timeout 120 $PY -m benchmarks.layer --shapes deepseek-v3,dsv4-pro \
+  --tokens 8192 --backends mok --iters 20 --out "$OUT/layer-folded" > "$OUT/layer-folded.log" 2>&1
+grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-folded.log"
