@@ -103,6 +103,23 @@ def test_mok_matches_alltoall(ep_size, shared):
     run_distributed(_parity_fn, ep_size, shared)
 
 
+def _folded_parity_fn(rank, ep_size):
+    # The shared expert as wide as the routed ones (24), folded into the fused pass.
+    os.environ["MOK_SHARED_EXPERT"] = "folded"
+    import megatron_mok.shared_fold as shared_fold
+    folds = []
+    fold = shared_fold.fold_routing
+    shared_fold.fold_routing = lambda *a: folds.append(1) or fold(*a)
+    _parity_fn(rank, ep_size, 24)
+    assert folds, "the shared expert was not folded"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_mok_with_folded_shared_expert_matches_alltoall(ep_size):
+    run_distributed(_folded_parity_fn, ep_size)
+
+
 def _rehomed_fn(rank, world_size):
     import warnings
     from megatron_mok.megatron import MokMoELayer

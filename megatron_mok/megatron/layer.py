@@ -1,6 +1,7 @@
 """MokMoELayer: Megatron's MoELayer with dispatch -> experts -> combine as one fused pass.
 
-Router, aux losses, shared experts and recompute are MoELayer's own. The experts
+Router, aux losses, shared experts (unless MOK_SHARED_EXPERT=folded runs one of the routed
+experts' width inside the fused pass) and recompute are MoELayer's own. The experts
 module is the one Megatron's spec builds (SequentialMLP or TEGroupedMLP), kept for
 its parameters only, so checkpoints move between `alltoall`/`flex` and `mok` both
 ways; their data is laid back to back per weight (expert_weights) so that the fused
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from megatron_mok import shared_fold
 from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
@@ -97,8 +99,32 @@ class MokMoELayer(MoELayer):
         # Fail at construction on an unknown expert module; lay each weight's experts back
         # to back so that the fused pass reads them stacked without a copy.
         fc1, fc2 = expert_weight_list(self.experts)
-        self._weights_in_place = share_one_storage(fc1) & share_one_storage(fc2)
+        # MOK_SHARED_EXPERT=folded (at construction): the shared expert joins the pass as
+        # one more local expert, its weights right after the experts' (shared_fold).
+        self._shared_weights = self._foldable_shared_weights(fc1, fc2)
+        shared1, shared2 = self._shared_weights or ((), ())
+        self._weights_in_place = (share_one_storage([*fc1, *shared1])
+                                  & share_one_storage([*fc2, *shared2]))
         self._accumulators = (None, None)  # built once per set of main_grad buffers
+
+    def _foldable_shared_weights(self, fc1, fc2):
+        """([shared fc1 weight], [shared fc2 weight]) when the shared expert can run inside
+        the fused pass: MOK_SHARED_EXPERT=folded, the routed experts' width (hence no TP
+        split), no gate, not recomputed on its own; else None (MoELayer runs it)."""
+        shared = self.shared_experts
+        if shared is None or shared_fold.mode() != "folded" or self.shared_expert_overlap \
+                or self.shared_experts_recompute \
+                or getattr(self.config, "moe_shared_expert_gate", False):
+            return None
+        w1, w2 = shared.linear_fc1.weight, shared.linear_fc2.weight
+        if not shared_fold.foldable(fc1[0].unsqueeze(0), fc2[0].unsqueeze(0), w1, w2):
+            return None
+        return [w1], [w2]
+
+    def shared_experts_compute(self, hidden_states: torch.Tensor):
+        if self._shared_weights is not None:
+            return None  # computed inside the fused pass, added in its combine
+        return super().shared_experts_compute(hidden_states)
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
@@ -112,6 +138,12 @@ class MokMoELayer(MoELayer):
                           "construction (a dtype/device conversion, or the distributed "
                           "optimizer's parameter buffer); each forward now copies them into a "
                           "stacked tensor (docs/design-notes.md)", stacklevel=2)
+        if self._shared_weights is not None:  # folded: fused_moe appends it as expert E_loc
+            (shared1,), (shared2,) = self._shared_weights
+            output = fused_moe(
+                hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
+                w1, w2, shared1, shared2, group=self.ep_group, config=self.mok_config)
+            return output, None
         output = fused_moe(
             hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
             w1, w2, group=self.ep_group, config=self.mok_config,
