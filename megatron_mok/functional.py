@@ -219,12 +219,16 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
               w2: torch.Tensor, shared_w1: Optional[torch.Tensor] = None,
               shared_w2: Optional[torch.Tensor] = None, *, group=None,
               config: Optional[MoKConfig] = None, recompute: bool = False,
-              accumulators: Optional[tuple] = None) -> torch.Tensor:
+              accumulators: Optional[tuple] = None,
+              fold_shared: Optional[bool] = None) -> torch.Tensor:
     """The fused MoE layer with autograd: x [T, H], topk_idx [T, K] (global ids, -1 = none),
     topk_w [T, K] fp32, w1 [E_loc, 2I, H], w2 [E_loc, H, I], optional shared expert.
     accumulators: (w1's, w2's) ExpertGradAccumulator, or None for either: backward adds
     that weight's gradient into the accumulator's buffers (Megatron's main_grad) and
-    returns an uninitialized placeholder as its gradient."""
+    returns an uninitialized placeholder as its gradient. With MOK_SHARED_EXPERT=folded
+    and accumulators of E_loc + 1 buffers, the last one takes the shared weight's.
+    fold_shared: run a shared expert of the routed experts' width as local expert E_loc
+    (megatron_mok.shared_fold); None: as MOK_SHARED_EXPERT says."""
     config = config or MoKConfig()
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False)
     if accumulators is not None:
@@ -232,17 +236,20 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
                 a is None or isinstance(a, ExpertGradAccumulator) for a in accumulators):
             raise TypeError("megatron_mok: accumulators must be a pair of "
                             "ExpertGradAccumulator or None (w1's, w2's)")
-        for acc, w, name in zip(accumulators, (w1, w2), ("w1", "w2")):
-            if acc is not None:
-                acc.check(w, name)
-    if accumulators is None and shared_fold.mode() == "folded" and \
-            shared_fold.foldable(w1, w2, shared_w1, shared_w2):
-        # The shared expert as local expert E_loc (shared_fold): one more route per token.
+    # The shared expert as local expert E_loc (shared_fold): one more route per token.
+    # Accumulators then hold E_loc + 1 buffers, the shared weight's last.
+    if fold_shared is None:
+        fold_shared = shared_fold.mode() == "folded"
+    if fold_shared and shared_fold.foldable(w1, w2, shared_w1, shared_w2) \
+            and all(a is None or a.shape[0] == w1.shape[0] + 1 for a in accumulators or ()):
         ep_rank = torch.distributed.get_rank(group) if group is not None else 0
         topk_idx, topk_w = shared_fold.fold_routing(topk_idx, topk_w, w1.shape[0], ep_rank)
         w1 = shared_fold.append_expert(w1, shared_w1)
         w2 = shared_fold.append_expert(w2, shared_w2)
         shared_w1 = shared_w2 = None
+    for acc, w, name in zip(accumulators or (), (w1, w2), ("w1", "w2")):
+        if acc is not None:
+            acc.check(w, name)
     ws = get_workspace(config, group, device=x.device, num_local_tokens=x.shape[0],
                        hidden_size=x.shape[1], topk=topk_idx.shape[1],
                        num_local_experts=w1.shape[0], dtype=x.dtype)

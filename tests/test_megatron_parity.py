@@ -172,12 +172,17 @@ def _with_main_grads(model):
     return flat
 
 
-def _main_grad_fn(rank, world_size):
+def _main_grad_fn(rank, world_size, folded=False):
     from megatron_mok.config import MoKConfig
     from megatron_mok.megatron import MokMoELayer
     from megatron_mok.megatron.layer import expert_weight_list
     _setup(world_size)
-    unfused, fused = _build("mok", None), _build("mok", None)
+    shared = 24 if folded else None  # the routed experts' width: foldable
+    unfused = _build("mok", shared)
+    if folded:
+        os.environ["MOK_SHARED_EXPERT"] = "folded"  # read at construction
+    fused = _build("mok", shared)
+    os.environ.pop("MOK_SHARED_EXPERT", None)
     fused.load_state_dict(unfused.state_dict())
     layers = [m for m in fused.modules() if isinstance(m, MokMoELayer)]
     for layer in layers:
@@ -187,14 +192,23 @@ def _main_grad_fn(rank, world_size):
         for model in (unfused, fused):
             _loss(model, seed).backward()
     assert buffers[0].abs().sum() > 0
-    torch.testing.assert_close(buffers[1], buffers[0], rtol=1e-6, atol=1e-7)
+    # Folded, the shared output joins the fp32 combine instead of MoELayer's later add:
+    # the same gradients to fp32 rounding.
+    tol = dict(rtol=1e-4, atol=1e-6) if folded else dict(rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(buffers[1], buffers[0], **tol)
     for layer in layers:
         fc1, fc2 = expert_weight_list(layer.experts)
         assert all(p.grad_added_to_main_grad and p.grad is None for p in (*fc1, *fc2))
+        if folded:  # E_loc + 1 buffers, the shared weights' last and added too
+            assert all(len(acc.buffers) == len(fc1) + 1 for acc in layer._accumulators)
+            assert layer.shared_experts.linear_fc1.weight.grad_added_to_main_grad
+            continue
         # SequentialMLP's fc1 and fc2 interleave backwards: one wgrad launch reaches all.
         assert all(acc.fused_target is not None and acc.fused_target[1]
                    for acc in layer._accumulators)
     assert not any(p.grad_added_to_main_grad for n, p in unfused.named_parameters())
+    if folded:
+        return
     # Not Megatron's DDP (no grad_added_to_main_grad), its FSDP, or main_grads the fused
     # add cannot take (mixed dtypes): the layer leaves main_grad to DDP's hook.
     layer = layers[0]
@@ -211,8 +225,9 @@ def _main_grad_fn(rank, world_size):
 
 
 @pytest.mark.slow
-def test_expert_weight_grads_go_straight_into_main_grad():
-    run_distributed(_main_grad_fn, 1)
+@pytest.mark.parametrize("folded", [False, True])
+def test_expert_weight_grads_go_straight_into_main_grad(folded):
+    run_distributed(_main_grad_fn, 1, folded)
 
 
 def _checkpoint_fn(rank, ep_size, ckpt_root):

@@ -118,3 +118,26 @@ def _ep_fn(rank, world_size):
 @pytest.mark.slow
 def test_folded_pass_equals_the_separate_shared_expert_at_ep2():
     run_distributed(_ep_fn, 2)
+
+
+def test_folded_with_accumulators_adds_the_shared_gradient_last():
+    from megatron_mok.functional import ExpertGradAccumulator
+    x, idx, topk_w, s1, s2, dy = _inputs(4, torch.float32)
+    _, grads = _run((x, idx, topk_w, s1, s2, dy))  # separate: the gradients to expect
+    bufs1 = [torch.zeros(2 * I, H) for _ in range(E + 1)]
+    bufs2 = [torch.zeros(H, I) for _ in range(E + 1)]
+    leaves = [t.clone().requires_grad_(True) for t in (x, topk_w, s1[:E], s2[:E], s1[E], s2[E])]
+    y = fused_moe(leaves[0], idx, leaves[1], *leaves[2:], config=REFERENCE, fold_shared=True,
+                  accumulators=(ExpertGradAccumulator(bufs1), ExpertGradAccumulator(bufs2)))
+    y.backward(dy)
+    torch.testing.assert_close(torch.stack(bufs1[:E]), grads[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(bufs2[:E]), grads[3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bufs1[E], grads[4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bufs2[E], grads[5], rtol=1e-5, atol=1e-6)
+    # Accumulators of E_loc buffers: the shared expert stays separate, its gradient returned.
+    leaves = [t.clone().requires_grad_(True) for t in (x, topk_w, s1[:E], s2[:E], s1[E], s2[E])]
+    accs = (ExpertGradAccumulator([torch.zeros(2 * I, H) for _ in range(E)]), None)
+    y = fused_moe(leaves[0], idx, leaves[1], *leaves[2:], config=REFERENCE, fold_shared=True,
+                  accumulators=accs)
+    y.backward(dy)
+    torch.testing.assert_close(leaves[4].grad, grads[4], rtol=1e-5, atol=1e-6)

@@ -139,10 +139,12 @@ class MokMoELayer(MoELayer):
                           "optimizer's parameter buffer); each forward now copies them into a "
                           "stacked tensor (docs/design-notes.md)", stacklevel=2)
         if self._shared_weights is not None:  # folded: fused_moe appends it as expert E_loc
-            (shared1,), (shared2,) = self._shared_weights
+            shared1, shared2 = self._shared_weights
             output = fused_moe(
                 hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
-                w1, w2, shared1, shared2, group=self.ep_group, config=self.mok_config)
+                w1, w2, shared1[0], shared2[0], group=self.ep_group, config=self.mok_config,
+                accumulators=self._main_grad_accumulators([*fc1, *shared1], [*fc2, *shared2]),
+                fold_shared=True)
             return output, None
         output = fused_moe(
             hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
