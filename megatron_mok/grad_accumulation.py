@@ -10,8 +10,11 @@ ExpertGradAccumulator the backward adds the fp32 weight gradient itself:
   in expert order or backwards, the grouped wgrad adds into them in its epilogue (TMA
   reduce-add: one add per element, deterministic). Megatron's grad buffer holds
   parameters backwards: a TEGroupedMLP's experts back to back, a SequentialMLP's fc1 and
-  fc2 interleaved; both qualify unless a bucket's padding falls between two experts;
-- otherwise it computes the fp32 gradient and adds it with one multi-tensor add.
+  fc2 interleaved. A bucket's padding between two experts, or a folded shared expert
+  whose main_grad lies in the dense buffer, splits them into a few such runs: one
+  launch per run (up to MAX_RUNS);
+- otherwise (not fp32, misaligned) it computes the fp32 gradient and adds it with one
+  multi-tensor add.
 
 The pass then returns an uninitialized placeholder for the weight's gradient, as
 Megatron's own fused layers do, so that the parameters' gradient hooks still run; the
@@ -27,6 +30,7 @@ import torch
 from megatron_mok.stacked import uniform_dense
 
 BUFFER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_RUNS = 8  # wgrad launches per weight before the multi-tensor add is the better deal
 
 
 class ExpertGradAccumulator:
@@ -46,8 +50,13 @@ class ExpertGradAccumulator:
         self.buffers = buffers
         self.on_added = on_added
         self.zero_placeholder = zero_placeholder  # for callers that add it anyway
-        # (planes [E, *shape] over the buffers, reversed: planes[j] is buffer E - 1 - j).
-        self.fused_target = _equally_spaced_planes(buffers)
+        # Runs of buffers one wgrad launch each can add into: (first expert, count, planes
+        # [count, *shape] over them, reversed: planes[j] is buffer first + count - 1 - j);
+        # None: the fp32 gradient and one multi-tensor add instead.
+        self.fused_runs = _equally_spaced_runs(buffers)
+        runs = self.fused_runs
+        # The whole set in one launch: (planes, reversed), else None.
+        self.fused_target = (runs[0][2], runs[0][3]) if runs and len(runs) == 1 else None
 
     @property
     def shape(self) -> tuple:
@@ -98,3 +107,29 @@ def _equally_spaced_planes(buffers: Sequence[torch.Tensor]
         return None
     planes = lowest.as_strided((len(buffers), *first.shape), (step, *first.stride()))
     return planes, reverse
+
+
+def _equally_spaced_runs(buffers: Sequence[torch.Tensor]) -> Optional[list]:
+    """Split the buffers, in expert order, into maximal runs of equally spaced planes:
+    [(first, count, planes, reverse)], or None when a buffer cannot be a plane or there
+    are more than MAX_RUNS runs."""
+    n = len(buffers)
+    storages = [b.untyped_storage().data_ptr() for b in buffers]
+    offsets = [b.storage_offset() for b in buffers]
+    runs, e = [], 0
+    while e < n:
+        end = e + 1
+        if end < n and storages[end] == storages[e]:
+            step = offsets[end] - offsets[e]
+            while end < n and storages[end] == storages[e] and \
+                    offsets[end] - offsets[end - 1] == step:
+                end += 1
+        run = _equally_spaced_planes(buffers[e:end])
+        if run is None and end - e > 1:  # e.g. planes overlapping: take e alone
+            end = e + 1
+            run = _equally_spaced_planes(buffers[e:end])
+        if run is None or len(runs) == MAX_RUNS:
+            return None
+        runs.append((e, end - e, *run))
+        e = end
+    return runs

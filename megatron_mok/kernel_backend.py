@@ -243,9 +243,10 @@ def _weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule
         dw = torch._grouped_mm(a.t(), b, offs=offsets[1:])
     elif acc is None:
         return grouped_gemm.wgrad(a, b, offsets)
-    elif acc.fused_target is not None:
-        planes, reverse = acc.fused_target
-        grouped_gemm.wgrad(a, b, offsets, accumulate_into=planes, reverse_experts=reverse)
+    elif acc.fused_runs is not None:  # one launch per run of equally spaced buffers
+        for first, count, planes, reverse in acc.fused_runs:
+            grouped_gemm.wgrad(a, b, offsets[first:first + count + 1], accumulate_into=planes,
+                               reverse_experts=reverse)
         return acc.finish(weight)
     else:
         dw = grouped_gemm.wgrad(a, b, offsets, out_dtype=torch.float32)

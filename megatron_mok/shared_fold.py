@@ -37,7 +37,7 @@ def mode() -> str:
 def foldable(w1: torch.Tensor, w2: torch.Tensor, shared_w1: Optional[torch.Tensor],
              shared_w2: Optional[torch.Tensor]) -> bool:
     """A shared expert of the routed experts' width and dtype."""
-    return (shared_w1 is not None and shared_w2 is not None
+    return (isinstance(shared_w1, torch.Tensor) and isinstance(shared_w2, torch.Tensor)
             and tuple(shared_w1.shape) == tuple(w1.shape[1:])
             and tuple(shared_w2.shape) == tuple(w2.shape[1:])
             and shared_w1.dtype == w1.dtype and shared_w2.dtype == w2.dtype)
@@ -57,7 +57,7 @@ def fold_routing(topk_idx: torch.Tensor, topk_w: torch.Tensor, num_local_experts
             torch.cat([ones, topk_w], dim=1).contiguous())
 
 
-def _adjacent(w: torch.Tensor, shared: torch.Tensor) -> bool:
+def adjacent(w: torch.Tensor, shared: torch.Tensor) -> bool:
     """shared lies right after w's last expert in w's storage, both dense."""
     return (w.is_contiguous() and shared.is_contiguous()
             and w.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
@@ -70,7 +70,7 @@ class _AppendExpert(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, shared):
-        if _adjacent(w, shared):
+        if adjacent(w, shared):
             return w.as_strided((w.shape[0] + 1, *w.shape[1:]), w.stride())
         return torch.cat([w, shared.unsqueeze(0)])
 

@@ -90,11 +90,12 @@ def test_bitwise_deterministic_over_repeats():
 def _main_grad_buffers(layout, w1, w2):
     """Per-expert fp32 main_grads of w1 and w2 (random start values) laid out as
     `stacked` (expert order, back to back), `te` (Megatron's buffer of a TEGroupedMLP:
-    backwards), `sequential` (a SequentialMLP's: fc1 and fc2 interleaved, backwards) or
-    `uneven` (a gap between two experts: the multi-tensor fallback)."""
+    backwards), `sequential` (a SequentialMLP's: fc1 and fc2 interleaved, backwards),
+    `uneven` (a gap between two experts: two wgrad launches) or `bf16` (stacked bf16
+    main_grads: the fp32 gradient and the multi-tensor add)."""
     E, n1, n2 = w1.shape[0], w1[0].numel(), w2[0].numel()
     flat = torch.randn(E * (n1 + n2) + 64, device="cuda")
-    if layout == "stacked":
+    if layout in ("stacked", "bf16"):
         starts1 = [e * n1 for e in range(E)]
         starts2 = [E * n1 + e * n2 for e in range(E)]
     elif layout == "te":
@@ -106,12 +107,14 @@ def _main_grad_buffers(layout, w1, w2):
     else:  # uneven
         starts1 = [e * n1 + (64 if e == E - 1 else 0) for e in range(E)]
         starts2 = [E * n1 + 64 + e * n2 for e in range(E)]
+    if layout == "bf16":
+        flat = flat.bfloat16()
     fc1 = [flat[s:s + n1].view(w1.shape[1:]) for s in starts1]
     fc2 = [flat[s:s + n2].view(w2.shape[1:]) for s in starts2]
     return flat, fc1, fc2
 
 
-@pytest.mark.parametrize("layout", ["stacked", "te", "sequential", "uneven"])
+@pytest.mark.parametrize("layout", ["stacked", "te", "sequential", "uneven", "bf16"])
 def test_weight_grads_accumulate_into_main_grad(layout):
     """Megatron's gradient-accumulation fusion on the kernel backend: the fp32 weight
     gradients land in each expert's own main_grad, whatever the buffer's layout (one wgrad
@@ -127,15 +130,18 @@ def test_weight_grads_accumulate_into_main_grad(layout):
         flat, fc1, fc2 = _main_grad_buffers(layout, inputs["w1"], inputs["w2"])
         torch.manual_seed(0)
         flat.copy_(torch.randn(flat.shape, device="cuda"))
+        if layout == "bf16":  # from zeros: bf16 sums of O(1) values would drown dW
+            flat.zero_()
         start1, start2 = torch.stack(fc1), torch.stack(fc2)
         accs = (ExpertGradAccumulator(fc1), ExpertGradAccumulator(fc2))
-        assert (accs[0].fused_target is None) == (layout == "uneven")
+        assert (accs[0].fused_runs is None) == (layout == "bf16")
+        assert (accs[0].fused_target is None) == (layout in ("uneven", "bf16"))
         for _ in range(2):  # two backwards accumulate
             _, grads = _run(inputs, KERNEL, dy, accumulators=accs)
         for name in ("x", "topk_w"):
             assert torch.equal(grads[name], plain[name]), name
         for start, bufs, name in ((start1, fc1, "w1"), (start2, fc2, "w2")):
-            added = torch.stack(bufs) - start
+            added = torch.stack(bufs).float() - start.float()
             assert rel_l2(added, 2 * grads_ref[name].float()) < 1e-2, (layout, name)
         ends.append(flat.clone())
     assert torch.equal(ends[0], ends[1])
@@ -146,11 +152,16 @@ def test_folded_shared_expert_matches_reference(shape, monkeypatch):
     """MOK_SHARED_EXPERT=folded: the shared expert runs as local expert E_loc inside the
     expert pass; output and every gradient (the shared weights' included) against the
     reference with a separate shared expert, and the pass repeats bit for bit."""
+    from megatron_mok import shared_fold
     inputs = _inputs(shape, 512, seed=7)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     y_ref, grads_ref = _run(inputs, MoKConfig(backend="reference"), dy)
+    folds = []
+    fold = shared_fold.fold_routing
+    monkeypatch.setattr(shared_fold, "fold_routing", lambda *a: folds.append(1) or fold(*a))
     monkeypatch.setenv("MOK_SHARED_EXPERT", "folded")
     y, grads = _run(inputs, KERNEL, dy)
+    assert folds
     assert rel_l2(y, y_ref) < 1e-2
     for name in NAMES:
         assert rel_l2(grads[name], grads_ref[name]) < 1e-2, name

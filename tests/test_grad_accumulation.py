@@ -57,17 +57,27 @@ def test_layouts_one_launch_cannot_add_into_fall_back():
     flat = torch.zeros(E * 2 * I * H + 2 * I * H + 4)
     step = 2 * I * H
     uneven = [flat[o:o + step].view(2 * I, H) for o in (0, step, 3 * step, 4 * step)]
-    assert ExpertGradAccumulator(uneven).fused_target is None  # a gap between two experts
+    acc = ExpertGradAccumulator(uneven)  # a gap between two experts: two launches
+    assert acc.fused_target is None
+    assert [(r[0], r[1], r[3]) for r in acc.fused_runs] == [(0, 2, False), (2, 2, False)]
+    assert acc.fused_runs[1][2].data_ptr() == uneven[2].data_ptr()
+    separate = [torch.zeros(2 * I, H) for _ in range(E)]  # separate storages: one each
+    acc = ExpertGradAccumulator(separate)
+    assert acc.fused_target is None and [r[:2] for r in acc.fused_runs] == [
+        (e, 1) for e in range(E)]
+    many = [torch.zeros(4, 4) for _ in range(9)]  # more runs than launches are worth
+    assert ExpertGradAccumulator(many).fused_runs is None
     misaligned = [flat[1 + e * step:1 + (e + 1) * step].view(2 * I, H) for e in range(E)]
-    assert ExpertGradAccumulator(misaligned).fused_target is None  # not 16-byte aligned
-    separate = [torch.zeros(2 * I, H) for _ in range(E)]
-    assert ExpertGradAccumulator(separate).fused_target is None  # separate storages
+    acc = ExpertGradAccumulator(misaligned)  # not 16-byte aligned
+    assert acc.fused_target is None and acc.fused_runs is None
     half = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16)
-    assert ExpertGradAccumulator(list(half.unbind(0))).fused_target is None  # not fp32
+    acc = ExpertGradAccumulator(list(half.unbind(0)))  # not fp32
+    assert acc.fused_target is None and acc.fused_runs is None
     odd = torch.zeros(E * (2 * I * H + 1))  # equally spaced, but 4 bytes off 16
     apart = [odd[e * (2 * I * H + 1):e * (2 * I * H + 1) + 2 * I * H].view(2 * I, H)
              for e in range(E)]
-    assert ExpertGradAccumulator(apart).fused_target is None
+    acc = ExpertGradAccumulator(apart)
+    assert acc.fused_target is None and acc.fused_runs is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

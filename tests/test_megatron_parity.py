@@ -200,8 +200,15 @@ def _main_grad_fn(rank, world_size, folded=False):
         fc1, fc2 = expert_weight_list(layer.experts)
         assert all(p.grad_added_to_main_grad and p.grad is None for p in (*fc1, *fc2))
         if folded:  # E_loc + 1 buffers, the shared weights' last and added too
+            shared = layer.shared_experts
             assert all(len(acc.buffers) == len(fc1) + 1 for acc in layer._accumulators)
-            assert layer.shared_experts.linear_fc1.weight.grad_added_to_main_grad
+            assert shared.linear_fc1.weight.grad_added_to_main_grad
+            assert shared.linear_fc2.weight.grad_added_to_main_grad
+            # Here one buffer holds everything and the shared weights, registered right after
+            # the experts, continue their spacing: one launch. (In Megatron the shared
+            # expert's main_grad lies in the dense buffer: a second launch.)
+            assert all([r[:2] for r in acc.fused_runs] == [(0, len(fc1) + 1)]
+                       for acc in layer._accumulators)
             continue
         # SequentialMLP's fc1 and fc2 interleave backwards: one wgrad launch reaches all.
         assert all(acc.fused_target is not None and acc.fused_target[1]
@@ -276,3 +283,46 @@ def test_unsupported_megatron_configs_fail_naming_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         check_mok_supported(config)
     check_mok_supported(TransformerConfig(**base))
+
+
+def _hooks_fn(rank, world_size):
+    """The fused pass reads weights of modules whose forward never runs (the experts', a
+    folded shared expert's); their forward pre-hooks (Megatron DDP's wait for the
+    --overlap-param-gather all-gather) must run all the same, once per forward."""
+    from megatron_mok.megatron import MokMoELayer
+    _setup(world_size)
+    os.environ["MOK_SHARED_EXPERT"] = "folded"
+    model = _build("mok", 24)
+    os.environ.pop("MOK_SHARED_EXPERT")
+    calls = []
+    for layer in (m for m in model.modules() if isinstance(m, MokMoELayer)):
+        assert layer._shared_weights is not None
+        owners = [m for m in layer.experts.modules() if list(m.parameters(recurse=False))]
+        owners += [layer.shared_experts.linear_fc1, layer.shared_experts.linear_fc2]
+        for m in owners:
+            m.register_forward_pre_hook(lambda module, args: calls.append(module))
+            m.register_forward_pre_hook(lambda module, args, kwargs: calls.append(module),
+                                        with_kwargs=True)
+        expected = 2 * len(owners)
+    with torch.no_grad():
+        _loss(model)
+    assert len(calls) == 2 * expected  # two layers, every hook once
+    # Configurations where MoELayer must run the shared expert itself.
+    from megatron_mok.megatron.layer import expert_weight_list
+    os.environ["MOK_SHARED_EXPERT"] = "folded"
+    layer = next(m for m in model.modules() if isinstance(m, MokMoELayer))
+    fc1, fc2 = expert_weight_list(layer.experts)
+    assert layer._foldable_shared_weights(fc1, fc2) is not None
+    for attr, value in (("tensor_model_parallel_size", 2), ("moe_shared_expert_gate", True),
+                        ("cuda_graph_impl", "transformer_engine"),
+                        ("moe_shared_expert_intermediate_size", 48)):
+        before = getattr(layer.config, attr)
+        setattr(layer.config, attr, value)
+        assert layer._foldable_shared_weights(fc1, fc2) is None, attr
+        setattr(layer.config, attr, before)
+    os.environ.pop("MOK_SHARED_EXPERT")
+
+
+@pytest.mark.slow
+def test_weight_modules_forward_pre_hooks_run():
+    run_distributed(_hooks_fn, 1)

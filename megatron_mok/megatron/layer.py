@@ -106,20 +106,43 @@ class MokMoELayer(MoELayer):
         self._weights_in_place = (share_one_storage([*fc1, *shared1])
                                   & share_one_storage([*fc2, *shared2]))
         self._accumulators = (None, None)  # built once per set of main_grad buffers
+        # Modules whose weights the fused pass reads but whose forward never runs.
+        self._weight_modules = list(self.experts.modules())
+        if self._shared_weights is not None:
+            self._weight_modules += list(self.shared_experts.modules())
 
     def _foldable_shared_weights(self, fc1, fc2):
         """([shared fc1 weight], [shared fc2 weight]) when the shared expert can run inside
-        the fused pass: MOK_SHARED_EXPERT=folded, the routed experts' width (hence no TP
-        split), no gate, not recomputed on its own; else None (MoELayer runs it)."""
-        shared = self.shared_experts
+        the fused pass: MOK_SHARED_EXPERT=folded, the routed experts' width, no tensor
+        parallelism (its shards would need MoELayer's all-reduce), no gate, not recomputed
+        on its own, no CUDA graphs (their partial capture expects a shared output); else
+        None (MoELayer runs it)."""
+        shared, config = self.shared_experts, self.config
         if shared is None or shared_fold.mode() != "folded" or self.shared_expert_overlap \
                 or self.shared_experts_recompute \
-                or getattr(self.config, "moe_shared_expert_gate", False):
+                or getattr(config, "moe_shared_expert_gate", False) \
+                or (config.tensor_model_parallel_size or 1) > 1 \
+                or config.moe_shared_expert_intermediate_size != config.moe_ffn_hidden_size \
+                or getattr(config, "cuda_graph_impl", "none") not in (None, "none") \
+                or getattr(config, "enable_cuda_graph", False) \
+                or getattr(config, "external_cuda_graph", False):
             return None
-        w1, w2 = shared.linear_fc1.weight, shared.linear_fc2.weight
+        w1 = getattr(getattr(shared, "linear_fc1", None), "weight", None)
+        w2 = getattr(getattr(shared, "linear_fc2", None), "weight", None)
         if not shared_fold.foldable(fc1[0].unsqueeze(0), fc2[0].unsqueeze(0), w1, w2):
             return None
         return [w1], [w2]
+
+    def _run_weight_modules_pre_hooks(self) -> None:
+        """Run the forward pre-hooks of the modules whose weights the pass reads, as their
+        own forward would have: Megatron DDP's --overlap-param-gather waits there for the
+        weights' all-gather (and dispatches the next bucket's)."""
+        for module in self._weight_modules:
+            for hook_id, hook in list(module._forward_pre_hooks.items()):
+                if hook_id in module._forward_pre_hooks_with_kwargs:
+                    hook(module, (), {})
+                else:
+                    hook(module, ())
 
     def shared_experts_compute(self, hidden_states: torch.Tensor):
         if self._shared_weights is not None:
@@ -128,10 +151,16 @@ class MokMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
+        self._run_weight_modules_pre_hooks()
         fc1, fc2 = expert_weight_list(self.experts)
         w1, w2 = stack_experts(fc1), stack_experts(fc2)
-        # stack_experts aliases the parameters' memory when it can, else copies.
+        # stack_experts aliases the parameters' memory when it can, else copies (and a
+        # folded shared weight is appended without a copy only right after the experts').
         in_place = w1.data_ptr() == fc1[0].data_ptr() and w2.data_ptr() == fc2[0].data_ptr()
+        if self._shared_weights is not None:
+            (shared1,), (shared2,) = self._shared_weights
+            in_place = in_place and shared_fold.adjacent(w1, shared1) \
+                and shared_fold.adjacent(w2, shared2)
         if self._weights_in_place and not in_place:
             self._weights_in_place = False  # say it once per layer
             warnings.warn("megatron_mok: the expert weights of a MokMoELayer were moved after "
