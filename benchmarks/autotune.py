@@ -1,8 +1,10 @@
 """Fill the autotune cache (megatron_mok.autotune) for the ep8-proxy shapes on this GPU:
 time every forward plan (launch chain, direct megakernel x minibatch, comm megakernel x
-comm SMs x minibatch) and store the fastest per (GPU, shape).
+comm SMs x minibatch) and store the fastest per (GPU, shape); with --backward also every
+backward dgrad plan (launch chain, backward megakernel x minibatch).
 
-    python -m benchmarks.autotune [--shapes a,b] [--tokens 4096,8192] [--iters 5] [--out DIR]
+    python -m benchmarks.autotune [--shapes a,b] [--tokens 4096,8192] [--iters 5]
+        [--backward] [--out DIR]
 
 The cache goes to $MOK_AUTOTUNE_CACHE (default ~/.cache/megatron_mok/autotune.json); the
 timings also to <out>/<date>-<gpu>-autotune.json.
@@ -31,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backward", action="store_true", help="also tune the backward")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -47,6 +50,17 @@ def main(argv=None) -> int:
             fastest = min(timings.values())
             print(f"{name:14s} T={tokens:5d} best {autotune._name(best):32s} {fastest:8.3f} ms "
                   f"(launches {timings['launches']:.3f} ms)")
+            if args.backward:
+                gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+                topk_w = torch.rand(tokens, local.topk, generator=gen, device=device)
+                dy = torch.randn(tokens, local.hidden, generator=gen, device=device).bfloat16()
+                best_b, timings_b = autotune.tune_backward(ws, sched, x, topk_w, w1, w2, dy,
+                                                           warmup=args.warmup, iters=args.iters)
+                results[autotune.backward_key(ws, local.inter)] = {
+                    "best": best_b.__dict__, "timings_ms": timings_b}
+                print(f"{'':14s} {'bwd':7s} best {autotune._backward_name(best_b):32s} "
+                      f"{min(timings_b.values()):8.3f} ms (launches "
+                      f"{timings_b['launches']:.3f} ms)")
             clear_workspace_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Per (GPU, shape) choice of the forward path and its knobs, measured once and cached.
+"""Per (GPU, shape) choice of the forward and backward paths and their knobs, measured
+once and cached.
 
 The kernel backend's forward can run as v1's launch chain or as the forward megakernel
 (spread, direct or comm mode, with comm SMs x minibatch knobs). Which one is fastest
@@ -8,6 +9,10 @@ the GPU name and the shape; `forward_plan()` (called by every kernel-backend for
 uses a cached plan when there is one. Precedence: MOK_FORWARD in the environment, then
 the cache (MoKConfig.autotune), then the default with the config's knobs (the spread
 megakernel at EP = 1 where it runs, else the launch chain).
+
+The backward likewise: `tune_backward()` times the dgrad half (the launch chain, or the
+backward megakernel x minibatch; EP = 1) and `backward_plan()` resolves MOK_BACKWARD, then
+the cache, then the launch chain. Its entries sit under the forward key + "|bwd".
 
 Cache: JSON at $MOK_AUTOTUNE_CACHE (default ~/.cache/megatron_mok/autotune.json), read
 once per process. Fill it with `python -m benchmarks.autotune` or by calling `tune()`.
@@ -30,12 +35,19 @@ from megatron_mok import megakernel
 
 MINIBATCHES = (1024, 2048, 4096, 8192)
 COMM_SMS = (4, 8, 16, 24)
+BACKWARD_MINIBATCHES = (1024, 2048, 4096)
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardPlan:
     path: str             # "launches" or a megakernel path (megakernel.FORWARD_PATHS)
     num_comm_sms: int     # comm CTAs (comm mode only)
+    minibatch_rows: int   # rows per readiness counter (megakernel only)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    path: str             # "launches" or "megakernel" (megakernel.BACKWARD_PATHS)
     minibatch_rows: int   # rows per readiness counter (megakernel only)
 
 
@@ -87,8 +99,9 @@ def lookup(key: str) -> Optional[ForwardPlan]:
     return ForwardPlan(plan["path"], int(plan["num_comm_sms"]), int(plan["minibatch_rows"]))
 
 
-def store(key: str, plan: ForwardPlan, timings_ms: dict, write: bool = True) -> None:
-    """Remember the plan in this process and, with `write`, in the cache file."""
+def store(key: str, plan, timings_ms: dict, write: bool = True) -> None:
+    """Remember the plan (a ForwardPlan or BackwardPlan) in this process and, with
+    `write`, in the cache file."""
     entries = _entries()
     entries[key] = {"plan": dataclasses.asdict(plan), "timings_ms": timings_ms}
     if not write:
@@ -190,3 +203,92 @@ def _name(plan: ForwardPlan) -> str:
     if plan.path == "megakernel" and plan.num_comm_sms == 0:
         return f"megakernel-direct/mb{plan.minibatch_rows}"
     return f"{plan.path}/comm{plan.num_comm_sms}/mb{plan.minibatch_rows}"
+
+
+# ---------------------------------------------------------------------------------------
+# Backward
+
+
+def backward_key(ws, inter: int) -> str:
+    return workspace_key(ws, inter) + "|bwd"
+
+
+def lookup_backward(key: str) -> Optional[BackwardPlan]:
+    plan = _entries().get(key, {}).get("plan", {})
+    if plan.get("path") not in megakernel.BACKWARD_PATHS:
+        return None
+    return BackwardPlan(plan["path"], int(plan["minibatch_rows"]))
+
+
+def backward_plan(ws, inter: int, config, dtype: torch.dtype, in_place: bool) -> BackwardPlan:
+    """The backward's dgrad path: MOK_BACKWARD (with MOK_BACKWARD_MINIBATCH) if set, else
+    the cached plan (config.autotune) where the megakernel can run, else the launch chain
+    (the backward megakernel is not yet measured: docs/perf-notes.md)."""
+    from megatron_mok.kernel_backend import backward_minibatch
+    if "MOK_BACKWARD" in os.environ:
+        return BackwardPlan(megakernel.backward_path(ws, dtype, in_place), backward_minibatch())
+    plan = lookup_backward(backward_key(ws, inter)) if config is None or config.autotune \
+        else None
+    if plan is None or (plan.path == "megakernel"
+                        and not megakernel.backward_runnable(ws, dtype, in_place)):
+        return BackwardPlan("launches", backward_minibatch())
+    return plan
+
+
+def backward_candidates() -> list[BackwardPlan]:
+    return [BackwardPlan("launches", 0)] + [BackwardPlan("megakernel", mb)
+                                            for mb in BACKWARD_MINIBATCHES]
+
+
+def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Tensor,
+                  w2: torch.Tensor, dy: torch.Tensor, *, plans: Optional[list] = None,
+                  warmup: int = 2, iters: int = 5, save: bool = True
+                  ) -> tuple[BackwardPlan, dict]:
+    """Time the dgrad half of the backward (what the plans change: pull dy scaled + dots,
+    fc2 dgrad + SwiGLU backward, fc1 dgrad; the wgrads and the combine are the same) for
+    every candidate at EP = 1 after one forward that keeps its context; return (fastest,
+    {plan: ms}), stored in the cache with `save`."""
+    from megatron_mok import kernel_backend, ops
+    if ws.arena is None or ws.ep_size != 1:
+        raise ValueError("megatron_mok: backward autotune needs a kernel-backend workspace "
+                         "at EP = 1")
+    _, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, None, None, True)
+    plans = plans or backward_candidates()
+    if not megakernel.backward_runnable(ws, dy.dtype, saved.route_row is not None):
+        plans = [p for p in plans if p.path == "launches"]
+    core, offs = kernel_backend.gemm_core(), sched.expert_offsets[1:]
+    arena = ws.arena
+
+    def run(plan):
+        if plan.path == "megakernel":
+            return megakernel.moe_backward(ws, sched, dy, saved.topk_w, saved.w1, saved.w2,
+                                           saved.h, saved.y_rows,
+                                           minibatch_rows=plan.minibatch_rows)
+        arena.view("dy").copy_(dy)
+        arena.view("topk_w").copy_(saved.topk_w)
+        d_out = dy.new_empty(ws.capacity, dy.shape[1])
+        dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
+        ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, d_out,
+                      w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
+        return kernel_backend._dgrad_launches(core, sched, saved, d_out, offs)
+
+    timings = {}
+    for plan in plans:
+        times = []
+        for i in range(warmup + iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(plan)
+            end.record()
+            if i >= warmup:
+                times.append((start, end))
+        torch.cuda.synchronize(dy.device)
+        timings[_backward_name(plan)] = statistics.median(s.elapsed_time(e) for s, e in times)
+    best = min(plans, key=lambda p: timings[_backward_name(p)])
+    if save:
+        store(backward_key(ws, w1.shape[1] // 2), best, timings)
+    return best, timings
+
+
+def _backward_name(plan: BackwardPlan) -> str:
+    return "launches" if plan.path == "launches" else f"megakernel/mb{plan.minibatch_rows}"

@@ -109,6 +109,7 @@ class KernelSaved:
     shared_leaves: Optional[tuple]
     x: Optional[torch.Tensor] = None  # EP = 1 direct megakernel: x_rows is gathered again
     route_row: Optional[torch.Tensor] = None  # EP = 1 rows combine: row of route (t, k)
+    config: Optional[MoKConfig] = None  # the forward's (the backward plan's autotune flag)
 
 
 def backward_minibatch() -> int:
@@ -192,7 +193,7 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     saved = None
     if keep_ctx:
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h, act,
-                            y_rows, shared_out, shared_leaves, x.detach(), route_row)
+                            y_rows, shared_out, shared_leaves, x.detach(), route_row, config)
     return y, saved
 
 
@@ -264,11 +265,13 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     arena, topk = ws.arena, ws.topk
     num_tokens, hidden = dy.shape
     core = gemm_core()
-    # MOK_BACKWARD=megakernel: pull, fc2 dgrad + SwiGLU backward and fc1 dgrad in one
-    # launch; at EP = 1 it reads dy itself (nothing is published), at EP > 1 it pulls from
-    # the peers' arenas and writes the owners' slots (no push launch).
-    fused = core == "mok" and megakernel.backward_path(
-        ws, dy.dtype, saved.route_row is not None) == "megakernel"
+    # The backward megakernel (MOK_BACKWARD, else an autotuned plan): pull, fc2 dgrad +
+    # SwiGLU backward and fc1 dgrad in one launch; at EP = 1 it reads dy itself (nothing is
+    # published), at EP > 1 it pulls from the peers' arenas and writes the owners' slots
+    # (no push launch).
+    plan = autotune.backward_plan(ws, saved.w1.shape[1] // 2, saved.config, dy.dtype,
+                                  saved.route_row is not None)
+    fused = core == "mok" and plan.path == "megakernel"
     if not fused or ws.ep_size > 1:
         arena.view("dy").copy_(dy)
         arena.view("topk_w").copy_(saved.topk_w)
@@ -280,7 +283,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     if fused:
         d_out, dots, d_h, dx_rows = megakernel.moe_backward(
             ws, sched, dy.contiguous(), saved.topk_w, saved.w1.contiguous(),
-            saved.w2.contiguous(), saved.h, saved.y_rows, minibatch_rows=backward_minibatch())
+            saved.w2.contiguous(), saved.h, saved.y_rows, minibatch_rows=plan.minibatch_rows)
     else:
         d_out = dy.new_empty(ws.capacity, hidden)
         dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)

@@ -146,10 +146,14 @@ def backward_path(ws, dtype: torch.dtype, in_place: bool) -> str:
     if path not in BACKWARD_PATHS:
         raise ValueError(f"megatron_mok: MOK_BACKWARD must be one of {BACKWARD_PATHS}, "
                          f"got {path!r}")
-    if path == "megakernel" and backward_available() and dtype == torch.bfloat16 \
-            and in_place == (ws.ep_size == 1):
-        return path
-    return "launches"
+    return path if path == "megakernel" and backward_runnable(ws, dtype, in_place) \
+        else "launches"
+
+
+def backward_runnable(ws, dtype: torch.dtype, in_place: bool) -> bool:
+    """The backward megakernel can run here: built, bf16 gradients, and at EP = 1 the
+    combine reading rows in place, at EP > 1 the slots."""
+    return backward_available() and dtype == torch.bfloat16 and in_place == (ws.ep_size == 1)
 
 
 def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],

@@ -1,6 +1,7 @@
 """Autotune cache and plan resolution (CPU): keys, the JSON cache, precedence of
-MOK_FORWARD over the cache over the config, candidates per EP size, the config flag and
-its Megatron argument. The GPU side (tune() timing real plans) is in test_megakernel.py."""
+MOK_FORWARD / MOK_BACKWARD over the cache over the config, candidates per EP size, the
+config flag and its Megatron argument. The GPU side (tune() and tune_backward() timing
+real plans) is in test_megakernel.py and test_backward_megakernel.py."""
 
 import argparse
 import types
@@ -16,6 +17,8 @@ from megatron_mok.config import MoKConfig
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MOK_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
     monkeypatch.delenv("MOK_FORWARD", raising=False)
+    monkeypatch.delenv("MOK_BACKWARD", raising=False)
+    monkeypatch.delenv("MOK_BACKWARD_MINIBATCH", raising=False)
     autotune._LOADED.clear()
     yield
     autotune._LOADED.clear()
@@ -103,3 +106,35 @@ def test_config_flag_and_megatron_argument():
     parser = add_mok_args(argparse.ArgumentParser())
     assert mok_config_from_args(parser.parse_args([])).autotune
     assert not mok_config_from_args(parser.parse_args(["--mok-no-autotune"])).autotune
+
+
+def test_backward_plan_precedence_env_over_cache_over_default(monkeypatch):
+    monkeypatch.setattr(megakernel, "backward_available", lambda: True)
+    ws, bf16 = _ws(), torch.bfloat16
+    launches = autotune.BackwardPlan("launches", 2048)
+    assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, True) == launches  # default
+    cached = autotune.BackwardPlan("megakernel", 4096)
+    autotune.store(autotune.backward_key(ws, 768), cached, {"launches": 2.0})
+    autotune._LOADED.clear()  # from disk, next to the forward's entries
+    assert autotune.backward_key(ws, 768) == autotune.workspace_key(ws, 768) + "|bwd"
+    assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, True) == cached
+    assert autotune.backward_plan(ws, 768, MoKConfig(autotune=False), bf16, True) == launches
+    # Where the megakernel cannot run (slots at EP = 1, fp32, not built): the chain.
+    assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, False) == launches
+    assert autotune.backward_plan(ws, 768, MoKConfig(), torch.float32, True) == launches
+    monkeypatch.setenv("MOK_BACKWARD", "launches")
+    assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, True) == launches
+    monkeypatch.setenv("MOK_BACKWARD", "megakernel")
+    monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", "1024")
+    assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, True) == \
+        autotune.BackwardPlan("megakernel", 1024)
+    monkeypatch.setattr(megakernel, "backward_available", lambda: False)
+    assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, True).path == "launches"
+
+
+def test_backward_candidates_and_unknown_cached_path():
+    plans = autotune.backward_candidates()
+    assert plans[0] == autotune.BackwardPlan("launches", 0)
+    assert {p.minibatch_rows for p in plans[1:]} == set(autotune.BACKWARD_MINIBATCHES)
+    autotune.store("k|bwd", autotune.BackwardPlan("warp-drive", 0), {})
+    assert autotune.lookup_backward("k|bwd") is None

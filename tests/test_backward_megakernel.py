@@ -124,6 +124,39 @@ def test_gradients_independent_of_minibatch_and_run(minibatch, monkeypatch):
             assert torch.equal(again[name], base[name]), name
 
 
+def test_backward_autotune_stores_a_plan_the_backward_then_runs(monkeypatch, tmp_path):
+    from megatron_mok import autotune
+    monkeypatch.setenv("MOK_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.delenv("MOK_BACKWARD", raising=False)
+    autotune._LOADED.clear()
+    inputs = _inputs(2048, 768, 16, 8, tokens=1024, seed=11)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    chain = _training_step(inputs, dy)  # no plan cached yet: the launch chain
+    ws = mok.get_workspace(KERNEL, None, device="cuda", num_local_tokens=1024,
+                           hidden_size=2048, topk=8, num_local_experts=16)
+    sched = mok.build_schedule(ws, KERNEL, inputs["topk_idx"])
+    plans = [autotune.BackwardPlan("launches", 0), autotune.BackwardPlan("megakernel", 1024)]
+    for forced in plans:  # store each plan in turn: the backward follows the cache
+        best, timings = autotune.tune_backward(ws, sched, inputs["x"], inputs["topk_w"],
+                                               inputs["w1"], inputs["w2"], dy, plans=[forced],
+                                               iters=2)
+        assert best == forced and set(timings) == {autotune._backward_name(forced)}
+        calls = []
+        moe_backward = megakernel.moe_backward
+        monkeypatch.setattr(megakernel, "moe_backward",
+                            lambda *a, **k: calls.append(k["minibatch_rows"]) or
+                            moe_backward(*a, **k))
+        step = _training_step(inputs, dy)
+        monkeypatch.setattr(megakernel, "moe_backward", moe_backward)
+        assert calls == ([1024] if forced.path == "megakernel" else [])
+        for name in chain:
+            assert torch.equal(step[name], chain[name]), (forced, name)
+    best, timings = autotune.tune_backward(ws, sched, inputs["x"], inputs["topk_w"],
+                                           inputs["w1"], inputs["w2"], dy, iters=3)
+    assert set(timings) == {autotune._backward_name(p) for p in autotune.backward_candidates()}
+    print("backward autotune:", timings, "best", best)
+
+
 _STUCK = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})
