@@ -13,8 +13,8 @@ g -> g + g // E_loc for routed experts, r * (E_loc + 1) + E_loc for rank r's sha
 A shared expert's routes never leave its rank.
 
 The stacked [E_loc + 1, ...] weights alias the caller's memory when the shared weight
-lies right after the experts' (benchmarks.layer lays them out so; a Megatron layer could
-share one storage), else they are a copy per pass.
+lies right after the experts' (MokMoELayer and benchmarks.layer lay them out so), else
+they are a copy per pass.
 """
 
 from __future__ import annotations
