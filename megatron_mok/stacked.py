@@ -17,19 +17,30 @@ def uniform_dense(tensors: Sequence[torch.Tensor]) -> bool:
                and t.device == first.device and t.is_contiguous() for t in tensors)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a Parameter over a DTensor has its type
+
+
 def stacked_alias(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """[E, *shape] tensor over the tensors' own memory if they lie back to back in expert
-    order in one storage, else None."""
-    if not tensors or not uniform_dense(tensors):
+    order in one storage, else None. Runs every forward, so it checks addresses rather than
+    storages: consecutive addresses that all lie inside the first tensor's storage can only
+    be that storage (tensors' storages do not overlap)."""
+    if not tensors:
         return None
     first = tensors[0]
+    shape, dtype, stride = first.shape, first.dtype, first.stride()
+    if not all(type(t) in _PLAIN and t.shape == shape and t.dtype == dtype
+               and t.stride() == stride for t in tensors) or not first.is_contiguous():
+        return None
+    step = first.numel() * first.element_size()
+    base = first.data_ptr()
+    if any(t.data_ptr() != base + e * step for e, t in enumerate(tensors)):
+        return None
     storage = first.untyped_storage()
-    step = first.numel()
-    for e, t in enumerate(tensors):
-        if t.untyped_storage().data_ptr() != storage.data_ptr() or \
-                t.storage_offset() != first.storage_offset() + e * step:
-            return None
+    if (first.storage_offset() * first.element_size() + len(tensors) * step
+            > storage.nbytes()):
+        return None  # the next expert lies past this storage: a neighbouring allocation
     out = first.new_empty(0)
-    out.set_(storage, first.storage_offset(), (len(tensors), *first.shape),
-             (step, *first.stride()))
+    out.set_(storage, first.storage_offset(), (len(tensors), *shape),
+             (first.numel(), *stride))
     return out

@@ -72,3 +72,16 @@ def test_dtensor_like_subclasses_fall_back_to_a_copy():
     assert not share_one_storage(params)
     assert stacked_alias(params) is None
     assert torch.equal(stack_experts(params), torch.stack([p.detach() for p in params]))
+
+
+def test_adjacent_memory_of_another_storage_is_not_aliased():
+    # Two storages back to back in memory (as the caching allocator can place them): the
+    # addresses continue, but an alias over the first storage would run past its end.
+    import numpy as np
+    memory = np.zeros(16, dtype=np.float32)
+    first = torch.from_numpy(memory[:8]).view(2, 4)
+    second = torch.from_numpy(memory[8:]).view(2, 4)
+    assert second.data_ptr() == first.data_ptr() + 32
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    assert stacked_alias([first, second]) is None
+    assert stack_experts([first, second]).data_ptr() != first.data_ptr()  # a copy
