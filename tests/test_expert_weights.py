@@ -85,3 +85,20 @@ def test_adjacent_memory_of_another_storage_is_not_aliased():
     assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
     assert stacked_alias([first, second]) is None
     assert stack_experts([first, second]).data_ptr() != first.data_ptr()  # a copy
+
+
+def test_backwards_layout_is_read_in_place_in_reverse():
+    # Megatron's distributed optimizer re-homes a TEGroupedMLP's weights backwards.
+    from megatron_mok.megatron.expert_weights import reverse_local_experts
+    memory = torch.randn(4, 3, 2)
+    params = [torch.nn.Parameter(memory[3 - e]) for e in range(4)]  # expert e at slot 3 - e
+    assert stacked_alias(params) is None
+    w = stack_experts(params, reverse=True)
+    assert w.data_ptr() == memory.data_ptr()  # an alias: plane j is expert 3 - j
+    assert all(torch.equal(w[j], params[3 - j]) for j in range(4))
+    grad = torch.randn(4, 3, 2)
+    w.backward(grad)
+    assert all(torch.equal(params[e].grad, grad[3 - e]) for e in range(4))
+    # The routing that matches, every rank's local experts backwards (4 per rank).
+    idx = torch.tensor([[0, 3, -1], [4, 7, 5]])
+    assert reverse_local_experts(idx, 4).tolist() == [[3, 0, -1], [7, 4, 6]]

@@ -120,6 +120,45 @@ def test_mok_with_folded_shared_expert_matches_alltoall(ep_size):
     run_distributed(_folded_parity_fn, ep_size)
 
 
+def _backwards_fn(rank, ep_size):
+    """The distributed optimizer's layout of a TEGroupedMLP: each weight's experts re-homed
+    back to back in reverse order. The layer reads them in place, backwards, with the
+    routing renumbered to match, and still matches alltoall exactly."""
+    import warnings
+    from megatron_mok.megatron import MokMoELayer
+    from megatron_mok.megatron.layer import expert_weight_list
+    _setup(ep_size)
+    ref, mok = _build("alltoall", None), _build("mok", None)
+    mok.load_state_dict(ref.state_dict(), strict=True)
+    layers = [m for m in mok.modules() if isinstance(m, MokMoELayer)]
+    for layer in layers:
+        for weights in expert_weight_list(layer.experts):
+            flat = torch.stack([p.detach() for p in weights[::-1]])  # expert E-1 first
+            for e, p in enumerate(weights):
+                p.data = flat[len(weights) - 1 - e]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loss_ref, loss_mok = _loss(ref), _loss(mok)
+    # No "moved after construction": read in place, backwards.
+    assert not [w for w in seen if "moved after construction" in str(w.message)]
+    assert all(layer._reverse for layer in layers)
+    loss_ref.backward()
+    loss_mok.backward()
+    torch.testing.assert_close(loss_mok, loss_ref, rtol=1e-5, atol=1e-6)
+    g_ref, g_mok = _grads(ref), _grads(mok)
+    assert g_ref.keys() == g_mok.keys()
+    for name in g_ref:
+        scale = g_ref[name].abs().max().clamp_min(1e-12)
+        err = (g_mok[name] - g_ref[name]).abs().max() / scale
+        assert err < 2e-4, f"rank {rank} {name}: max rel err {float(err):.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_experts_laid_out_backwards_are_read_in_place(ep_size):
+    run_distributed(_backwards_fn, ep_size)
+
+
 def _rehomed_fn(rank, world_size):
     import warnings
     from megatron_mok.megatron import MokMoELayer

@@ -39,19 +39,32 @@ def share_one_storage(params: Sequence[torch.nn.Parameter]) -> bool:
 
 
 class _StackExperts(torch.autograd.Function):
-    """Forward: the stacked weights (an alias of their memory, or a copy); backward: each
-    parameter's slice of the stacked gradient."""
+    """Forward: the stacked weights (an alias of their memory, or a copy), in expert order
+    or backwards; backward: each parameter's slice of the stacked gradient."""
 
     @staticmethod
-    def forward(ctx, *params):
-        alias = stacked_alias(params)
-        return alias if alias is not None else torch.stack(params)
+    def forward(ctx, reverse, *params):
+        ctx.reverse = reverse
+        ordered = params[::-1] if reverse else params
+        alias = stacked_alias(ordered)
+        return alias if alias is not None else torch.stack(ordered)
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(grad.unbind(0))
+        grads = grad.unbind(0)
+        return (None, *(grads[::-1] if ctx.reverse else grads))
 
 
-def stack_experts(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The per-expert weights as one [E, ...] tensor (no copy when their memory allows)."""
-    return _StackExperts.apply(*params)
+def stack_experts(params: Sequence[torch.Tensor], reverse: bool = False) -> torch.Tensor:
+    """The per-expert weights as one [E, ...] tensor (no copy when their memory allows);
+    with `reverse`, plane j is expert E - 1 - j (how Megatron's distributed optimizer lays
+    out a TEGroupedMLP's weights: its buffers hold parameters backwards)."""
+    return _StackExperts.apply(reverse, *params)
+
+
+def reverse_local_experts(topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """Global expert ids with every rank's local experts numbered backwards (-1 stays):
+    the routing that matches weights stacked with `reverse` on every rank."""
+    e = num_local_experts
+    flipped = topk_idx + (e - 1) - 2 * torch.remainder(topk_idx, e)
+    return torch.where(topk_idx >= 0, flipped, topk_idx)

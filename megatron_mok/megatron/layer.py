@@ -28,7 +28,8 @@ from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
-from megatron_mok.megatron.expert_weights import share_one_storage, stack_experts
+from megatron_mok.megatron.expert_weights import (reverse_local_experts, share_one_storage,
+                                                  stack_experts)
 
 # (config attribute, unsupported when, Megatron flag to change)
 _UNSUPPORTED = (
@@ -106,6 +107,7 @@ class MokMoELayer(MoELayer):
         self._weights_in_place = (share_one_storage([*fc1, *shared1])
                                   & share_one_storage([*fc2, *shared2]))
         self._accumulators = (None, None)  # built once per set of main_grad buffers
+        self._reverse = None  # experts stacked backwards (decided at the first forward)
         # Modules whose weights the fused pass reads but whose forward never runs.
         self._weight_modules = list(self.experts.modules())
         if self._shared_weights is not None:
@@ -153,7 +155,12 @@ class MokMoELayer(MoELayer):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
         self._run_weight_modules_pre_hooks()
         fc1, fc2 = expert_weight_list(self.experts)
-        w1, w2 = stack_experts(fc1), stack_experts(fc2)
+        reverse = self._experts_backwards(fc1, fc2)
+        w1, w2 = stack_experts(fc1, reverse), stack_experts(fc2, reverse)
+        topk_idx = self.token_dispatcher.topk_idx
+        if reverse:  # plane j is expert E - 1 - j on every rank: route to it as such
+            topk_idx = reverse_local_experts(topk_idx, len(fc1))
+            fc1, fc2 = fc1[::-1], fc2[::-1]  # plane order from here on
         # stack_experts aliases the parameters' memory when it can, else copies (and a
         # folded shared weight is appended without a copy only right after the experts').
         in_place = w1.data_ptr() == fc1[0].data_ptr() and w2.data_ptr() == fc2[0].data_ptr()
@@ -170,16 +177,35 @@ class MokMoELayer(MoELayer):
         if self._shared_weights is not None:  # folded: fused_moe appends it as expert E_loc
             shared1, shared2 = self._shared_weights
             output = fused_moe(
-                hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
+                hidden_states.contiguous(), topk_idx, probs,
                 w1, w2, shared1[0], shared2[0], group=self.ep_group, config=self.mok_config,
                 accumulators=self._main_grad_accumulators([*fc1, *shared1], [*fc2, *shared2]),
                 fold_shared=True)
             return output, None
         output = fused_moe(
-            hidden_states.contiguous(), self.token_dispatcher.topk_idx, probs,
+            hidden_states.contiguous(), topk_idx, probs,
             w1, w2, group=self.ep_group, config=self.mok_config,
             accumulators=self._main_grad_accumulators(fc1, fc2))
         return output, None
+
+    def _experts_backwards(self, fc1, fc2) -> bool:
+        """Stack the experts backwards? When their weights lie backwards in memory, as
+        Megatron's distributed optimizer re-homes a TEGroupedMLP's parameters (its buffers
+        hold parameters in reverse order): then the pass reads them in place. Decided once
+        (every EP rank must number its experts the same way: the ranks agree at the first
+        forward); either order is correct, stack_experts copies where it cannot alias."""
+        if self._reverse is None:
+            backwards = self._shared_weights is None and len(fc1) > 1 and \
+                fc1[0].data_ptr() > fc1[-1].data_ptr() and fc2[0].data_ptr() > fc2[-1].data_ptr()
+            group = self.ep_group
+            if group is not None and torch.distributed.is_initialized() and \
+                    torch.distributed.get_world_size(group) > 1:
+                flag = torch.tensor([int(backwards)], device=fc1[0].device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN,
+                                             group=group)
+                backwards = bool(flag.item())
+            self._reverse = backwards
+        return self._reverse
 
     def _main_grad_accumulators(self, fc1, fc2):
         """(fc1's, fc2's) ExpertGradAccumulator over the parameters' main_grad when fusion
