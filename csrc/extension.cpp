@@ -54,7 +54,7 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("build_row_table(Tensor topk_idx_all, int ep_rank, int num_local_experts, "
         "int num_experts, Tensor(a!) peer_rank, Tensor(b!) peer_token, Tensor(c!) peer_k, "
         "Tensor(d!) tokens_per_expert, Tensor(e!) expert_offsets, Tensor(f!) num_rows, "
-        "Tensor(g!) overflow, Tensor(h!) invalid_ids) -> ()");
+        "Tensor(g!) overflow, Tensor(h!) invalid_ids, Tensor(i!)? route_row) -> ()");
   m.def("pull_rows(Tensor peer_base, int src_offset, Tensor peer_rank, Tensor peer_token, "
         "Tensor peer_k, Tensor num_rows, int topk, int w_offset, Tensor? saved, Tensor(a!) out, "
         "Tensor(b!)? dots) -> ()");

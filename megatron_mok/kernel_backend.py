@@ -135,8 +135,12 @@ def rows_combine(ws: MoKWorkspace) -> bool:
 
 
 def route_rows(sched: MoKSchedule, num_tokens: int, topk: int) -> torch.Tensor:
-    """[T, K] int32: the row-table row of route (t, k), -1 if it has none (EP = 1). No
-    host sync: padding rows write to a spare last entry, which is dropped."""
+    """[T, K] int32: the row-table row of route (t, k), -1 if it has none (EP = 1). The
+    schedule's own map when it was built with one; else from the table (no host sync:
+    padding rows write to a spare last entry, which is dropped)."""
+    own = getattr(sched, "route_row", None)
+    if own is not None:
+        return own
     valid = sched.peer_rank >= 0
     key = torch.where(valid, sched.peer_token.long() * topk + sched.peer_k.long(),
                       num_tokens * topk)

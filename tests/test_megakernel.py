@@ -229,15 +229,43 @@ def test_one_kernel_between_schedule_and_combine():
         _forward(inputs, ws, sched)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    # EP = 1: no barrier, x is read in place (direct mode: no comm CTAs, no copies); the
-    # megakernel and the combine epilogue.
+    # EP = 1: no barrier, x is read in place (direct mode: no comm CTAs, no copies), the
+    # combine reads the schedule's route -> row map: the megakernel and the combine.
     assert len(kernels) <= 2, kernels
     assert any("moe_forward_kernel" in k for k in kernels), kernels
 
 
+@pytest.mark.parametrize("path", ["megakernel", "megakernel-spread"])
+def test_launches_of_a_layer_forward_with_the_gpu_schedule(path, monkeypatch):
+    """Issue 5's launch budget for the whole routed forward at EP = 1 (schedule, megakernel,
+    combine; no barrier at EP = 1): the row table's memsets and three kernels, then two."""
+    monkeypatch.setenv("MOK_SCHEDULE", "kernel")
+    monkeypatch.setenv("MOK_FORWARD", path)
+    inputs, ws, _ = _layer(tokens=512, seed=6)
+    ids = inputs["topk_idx"].to(torch.int32).unsqueeze(0)  # the layer's int32 routing
+
+    def layer_forward():
+        sched = mok.build_schedule(ws, KERNEL, ids[0])
+        return _forward(inputs, ws, sched)
+
+    layer_forward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        layer_forward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [n for n in names if "memset" not in n.lower()]
+    assert sum("schedule_" in k for k in kernels) == 3, kernels
+    assert sum("moe_forward_kernel" in k for k in kernels) == 1, kernels
+    assert len(kernels) <= 5, kernels  # + the combine
+
+
 def test_bad_knobs_raise_before_launch():
     inputs, ws, sched = _layer(tokens=256, seed=2)
-    for kwargs, match in (({"num_comm_sms": 0, "minibatch_rows": 256, "direct": False}, "comm"),
+    # (num_comm_sms = 0 without direct is spread mode, a valid plan.)
+    for kwargs, match in (({"num_comm_sms": -1, "minibatch_rows": 256, "direct": False}, "comm"),
+                          ({"num_comm_sms": 10_000, "minibatch_rows": 256, "direct": False},
+                           "comm SMs"),
                           ({"num_comm_sms": 4, "minibatch_rows": 100}, "minibatch"),
                           ({"num_comm_sms": 0, "minibatch_rows": 256, "direct": True,
                             "ring_rows": 256}, "ring"),

@@ -66,3 +66,25 @@ def test_capacity_never_overflows_at_ep1():
         cap = schedule_capacity(MoKConfig(), num_tokens, topk, 1, num_local)
         worst = num_tokens * topk + num_local * (TILE_M - 1)
         assert cap >= worst
+
+
+def test_route_row_is_the_inverse_of_the_table_at_ep1():
+    """The schedule's route -> row map (what the in-place combine reads) against the one
+    built from the table, with dropped routes (ids -1) and rows lost to an overflow."""
+    import types
+
+    from megatron_mok import kernel_backend
+    g = torch.Generator().manual_seed(3)
+    for num_tokens, topk, num_local, capacity in ((300, 4, 6, None), (300, 2, 4, 256)):
+        idx = make_routing(num_tokens, num_local, topk, g, 0.15)[0].unsqueeze(0)
+        assert bool((idx < 0).any())
+        cap = capacity or schedule_capacity(MoKConfig(), num_tokens, topk, 1, num_local)
+        s = build_row_table(idx, 0, num_local, cap)
+        assert s.route_row.shape == (num_tokens, topk) and s.route_row.dtype == torch.int32
+        table = types.SimpleNamespace(peer_rank=s.peer_rank, peer_token=s.peer_token,
+                                      peer_k=s.peer_k)
+        assert torch.equal(s.route_row, kernel_backend.route_rows(table, num_tokens, topk))
+        if capacity:  # overflow: some routed (t, k) have no row
+            assert int(s.overflow) == 1 and bool(((s.route_row < 0) & (idx[0] >= 0)).any())
+    idx_all = torch.stack([make_routing(50, 4, 2, g)[0] for _ in range(2)])
+    assert build_row_table(idx_all, 1, 2, 1024).route_row is None  # EP > 1: no such map

@@ -65,5 +65,10 @@ def test_kernel_table_equals_the_tensor_ops(ep, tokens, topk, experts, capacity,
                                        num_experts=None if experts == ep * local else experts)
         for name in FIELDS:
             assert torch.equal(getattr(got, name), getattr(ref, name).int()), (rank, name)
+        # The inverse map (route -> row) exists at EP = 1 only, written by the place kernel.
+        if ep == 1:
+            assert torch.equal(got.route_row, ref.route_row), rank
+        else:
+            assert got.route_row is None and ref.route_row is None
     if bad:
         assert int(got.invalid_ids.item()) == 1

@@ -9,7 +9,10 @@
 //   3. place:  CTA c places each local route of its chunk at
 //              offsets[e] + (routes of e in earlier chunks) + (routes of e earlier in this
 //              chunk), the stable (expert, route id) order of build_row_table, dropping
-//              rows past the capacity.
+//              rows past the capacity; at EP = 1 it also writes the inverse map,
+//              route_row[t, k] = the row of route (t, k) (-1: dropped or no route), which
+//              the in-place combine reads (one table per layer instead of ~10 tensor ops
+//              per forward).
 // Routes are the flat index r of topk_idx_all [P, T, K]: rank r / (T K), token r / K % T,
 // k r % K.
 
@@ -89,7 +92,8 @@ __global__ void __launch_bounds__(kChunk)
 schedule_place_kernel(const int* __restrict__ ids, int64_t num_routes, int first, int num_local,
                       int num_tokens, int topk, int capacity, const int* __restrict__ chunk_base,
                       const int* __restrict__ offsets, int* __restrict__ peer_rank,
-                      int* __restrict__ peer_token, int* __restrict__ peer_k) {
+                      int* __restrict__ peer_token, int* __restrict__ peer_k,
+                      int* __restrict__ route_row) {
   constexpr int kWarps = kChunk / 32;
   __shared__ int warp_count[kWarps][64];  // per warp, per expert of the current group of 64
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -118,6 +122,7 @@ schedule_place_kernel(const int* __restrict__ ids, int64_t num_routes, int first
   peer_rank[row] = int(r / per_rank);
   peer_token[row] = int(r / topk % num_tokens);
   peer_k[row] = int(r % topk);
+  if (route_row != nullptr) route_row[r] = int(row);  // EP = 1: r is (t, k) of this rank
 }
 
 void build_row_table_cuda(const at::Tensor& topk_idx_all, int64_t ep_rank,
@@ -125,7 +130,8 @@ void build_row_table_cuda(const at::Tensor& topk_idx_all, int64_t ep_rank,
                           const at::Tensor& peer_rank, const at::Tensor& peer_token,
                           const at::Tensor& peer_k, const at::Tensor& tokens_per_expert,
                           const at::Tensor& expert_offsets, const at::Tensor& num_rows,
-                          const at::Tensor& overflow, const at::Tensor& invalid_ids) {
+                          const at::Tensor& overflow, const at::Tensor& invalid_ids,
+                          const std::optional<at::Tensor>& route_row) {
   TORCH_CHECK(topk_idx_all.is_cuda() && topk_idx_all.scalar_type() == at::kInt &&
                   topk_idx_all.dim() == 3 && topk_idx_all.is_contiguous(),
               "megatron_mok: topk_idx_all must be a contiguous CUDA int32 [P, T, K] tensor");
@@ -147,6 +153,11 @@ void build_row_table_cuda(const at::Tensor& topk_idx_all, int64_t ep_rank,
   check(num_rows, "num_rows", 1);
   check(overflow, "overflow", 1);
   check(invalid_ids, "invalid_ids", 1);
+  if (route_row.has_value()) {
+    TORCH_CHECK(topk_idx_all.size(0) == 1,
+                "megatron_mok: route_row (the inverse map of the row table) exists at EP = 1 only");
+    check(*route_row, "route_row", topk_idx_all.numel());
+  }
   TORCH_CHECK(capacity % kTile == 0, "megatron_mok: the row table holds whole 128-row tiles");
   c10::cuda::CUDAGuard guard(topk_idx_all.device());
   const int64_t num_routes = topk_idx_all.numel();
@@ -161,6 +172,11 @@ void build_row_table_cuda(const at::Tensor& topk_idx_all, int64_t ep_rank,
   for (const at::Tensor* t : {&peer_rank, &peer_token, &peer_k}) {  // -1: unused rows
     C10_CUDA_CHECK(cudaMemsetAsync(t->data_ptr(), 0xFF, capacity * sizeof(int), stream));
   }
+  int* route_row_ptr = nullptr;
+  if (route_row.has_value()) {  // -1: routes without a row (dropped, id -1)
+    route_row_ptr = route_row->data_ptr<int>();
+    C10_CUDA_CHECK(cudaMemsetAsync(route_row_ptr, 0xFF, num_routes * sizeof(int), stream));
+  }
   const int* ids = topk_idx_all.data_ptr<int>();
   schedule_count_kernel<<<num_chunks, kChunk, 0, stream>>>(
       ids, num_routes, first, num_local, int(num_experts), counts, invalid_ids.data_ptr<int>());
@@ -173,7 +189,7 @@ void build_row_table_cuda(const at::Tensor& topk_idx_all, int64_t ep_rank,
   schedule_place_kernel<<<num_chunks, kChunk, 0, stream>>>(
       ids, num_routes, first, num_local, num_tokens, topk, int(capacity), chunk_base,
       expert_offsets.data_ptr<int>(), peer_rank.data_ptr<int>(), peer_token.data_ptr<int>(),
-      peer_k.data_ptr<int>());
+      peer_k.data_ptr<int>(), route_row_ptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
