@@ -60,3 +60,38 @@ def test_combine_epilogue_cuda(dtype):
     # The GPU kernel fuses multiply-add (one rounding less than the spec's mul, add).
     assert (got.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
     assert torch.equal(got, ops.combine_epilogue(slots, idx, w, shared))  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [3, 8, 10, 17])  # one batch of 8 loads, several, a ragged tail
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_combine_rows_cuda_batches_and_alignment(topk, with_shared):
+    """The combine's batched loads: the sum is fma over k ascending whatever K, so rows read
+    in place equal the slots path bit for bit, a misaligned buffer (scalar loads) gives the
+    same bits as an aligned one (vector loads), and both stay within the spec's tolerance."""
+    g = torch.Generator().manual_seed(topk)
+    tokens, hidden, rows_n = 301, 136, 301 * 17 + 50
+    rows = torch.randn(rows_n, hidden, generator=g).to(torch.bfloat16).cuda()
+    route_row = torch.randperm(rows_n, generator=g)[:tokens * topk].view(tokens, topk).int()
+    route_row[torch.rand(tokens, topk, generator=g) < 0.2] = -1  # unrouted (t, k)
+    route_row = route_row.cuda()
+    w = torch.rand(tokens, topk, generator=g).cuda()
+    shared = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda() if with_shared else None
+    got = ops.combine_rows(rows, route_row, w, shared)
+
+    idx = torch.where(route_row >= 0, 0, -1).int()
+    slots = rows[route_row.clamp(min=0).long()]  # [T, K, H]
+    assert torch.equal(got, ops.combine_epilogue(slots, idx, w, shared))
+
+    def misaligned(t):  # same values, base pointer 2 bytes off a 16-byte boundary
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = flat[1:].view(t.shape)
+        view.copy_(t)
+        assert view.data_ptr() % 16 != 0
+        return view
+
+    assert torch.equal(got, ops.combine_rows(misaligned(rows), route_row, w,
+                                             None if shared is None else misaligned(shared)))
+    expected = reference.combine(slots.float(), idx, w, None if shared is None else shared.float(),
+                                 torch.bfloat16)
+    assert (got.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()

@@ -55,7 +55,46 @@ struct RoutedRows {
   }
 };
 
-template <typename T, class RowOf>
+// Routes of a token whose rows are loaded before any of them is summed. One token's
+// routes are independent loads; the first version read route k + 1's index and row only
+// after summing route k, two dependent round trips per route, and ran latency-bound at
+// ~0.57 of DRAM bandwidth (qwen3-30b-a3b forward: 0.110 ms against a 0.063 ms floor).
+constexpr int kBatch = 8;
+
+template <typename T>
+struct alignas(sizeof(T) * kVec) Vec {
+  T v[kVec];
+};
+
+// kVec elements at p: one 16-byte (bf16) or two (fp32) vector accesses when aligned.
+template <bool kAligned, typename T>
+__device__ inline void load_vec(const T* p, T (&out)[kVec]) {
+  if constexpr (kAligned) {
+    const Vec<T> v = *reinterpret_cast<const Vec<T>*>(p);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = v.v[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = p[i];
+  }
+}
+
+template <bool kAligned, typename T>
+__device__ inline void store_vec(T* p, const float (&acc)[kVec]) {
+  Vec<T> v;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v.v[i] = from_float<T>(acc[i]);
+  if constexpr (kAligned) {
+    *reinterpret_cast<Vec<T>*>(p) = v;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) p[i] = v.v[i];
+  }
+}
+
+// The sum is acc = fma(w[t, k], row_k, acc) over k ascending from the shared row (or 0),
+// whatever the batching: the loads are reordered, the arithmetic is not.
+template <bool kAligned, typename T, class RowOf>
 __global__ void combine_kernel(RowOf row_of, const float* __restrict__ w,
                                const T* __restrict__ shared, T* __restrict__ out, int64_t T_,
                                int K, int64_t H) {
@@ -64,18 +103,60 @@ __global__ void combine_kernel(RowOf row_of, const float* __restrict__ w,
        v += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = v / vecs_per_row, h0 = (v % vecs_per_row) * kVec;
     float acc[kVec];
+    if (shared != nullptr) {
+      T s[kVec];
+      load_vec<kAligned>(shared + t * H + h0, s);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] = shared ? to_float(shared[t * H + h0 + i]) : 0.f;
-    for (int k = 0; k < K; ++k) {
-      const T* row = row_of(t, k);
-      if (row == nullptr) continue;
-      const float wk = w[t * K + k];
+      for (int i = 0; i < kVec; ++i) acc[i] = to_float(s[i]);
+    } else {
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] += wk * to_float(row[h0 + i]);
+      for (int i = 0; i < kVec; ++i) acc[i] = 0.f;
     }
+    for (int k0 = 0; k0 < K; k0 += kBatch) {
+      T x[kBatch][kVec];
+      float wk[kBatch];
+      bool routed[kBatch];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) out[t * H + h0 + i] = from_float<T>(acc[i]);
+      for (int j = 0; j < kBatch; ++j) {  // every load of the batch in flight at once
+        const T* row = k0 + j < K ? row_of(t, k0 + j) : nullptr;
+        routed[j] = row != nullptr;
+        if (routed[j]) {
+          wk[j] = w[t * K + k0 + j];
+          load_vec<kAligned>(row + h0, x[j]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (!routed[j]) continue;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[i] = fmaf(wk[j], to_float(x[j][i]), acc[i]);
+      }
+    }
+    store_vec<kAligned>(out + t * H + h0, acc);
   }
+}
+
+// Vector accesses need every row start 16-byte (bf16) / 32-byte (fp32) aligned: H is a
+// multiple of kVec, so the base pointers decide.
+template <typename T>
+bool vec_aligned(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % sizeof(Vec<T>) != 0) return false;
+  }
+  return true;
+}
+
+template <typename T, class RowOf>
+void launch_combine(int blocks, bool aligned, const RowOf& row_of, const float* w,
+                    const T* shared, T* out, int64_t T_, int K, int64_t H) {
+  constexpr int kThreads = 256;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (aligned) {
+    combine_kernel<true, T><<<blocks, kThreads, 0, stream>>>(row_of, w, shared, out, T_, K, H);
+  } else {
+    combine_kernel<false, T><<<blocks, kThreads, 0, stream>>>(row_of, w, shared, out, T_, K, H);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 int grid_for(int64_t work, int threads) {
@@ -113,11 +194,11 @@ at::Tensor combine_rows_cuda(const at::Tensor& rows, const at::Tensor& route_row
   using Bf16 = __nv_bfloat16;
   const RoutedRows<Bf16> row_of{reinterpret_cast<const Bf16*>(rows.data_ptr()),
                                 route_row.data_ptr<int>(), K, H};
-  combine_kernel<Bf16><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      row_of, topk_w.data_ptr<float>(),
-      shared.has_value() ? reinterpret_cast<const Bf16*>(shared->data_ptr()) : nullptr,
-      reinterpret_cast<Bf16*>(out.data_ptr()), T_, K, H);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const Bf16* shared_ptr =
+      shared.has_value() ? reinterpret_cast<const Bf16*>(shared->data_ptr()) : nullptr;
+  auto* out_ptr = reinterpret_cast<Bf16*>(out.data_ptr());
+  launch_combine(blocks, vec_aligned<Bf16>({rows.data_ptr(), shared_ptr, out_ptr}), row_of,
+                 topk_w.data_ptr<float>(), shared_ptr, out_ptr, T_, K, H);
   return out;
 }
 
@@ -131,11 +212,11 @@ void launch(const at::Tensor& slots, const at::Tensor& idx, const at::Tensor& w,
   if (blocks == 0) return;
   const SlotRows<T, Idx> row_of{reinterpret_cast<const T*>(slots.data_ptr()), idx.data_ptr<Idx>(),
                                 K, H};
-  combine_kernel<T><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      row_of, w.data_ptr<float>(),
-      shared.has_value() ? reinterpret_cast<const T*>(shared->data_ptr()) : nullptr,
-      reinterpret_cast<T*>(out.data_ptr()), T_, K, H);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const T* shared_ptr = shared.has_value() ? reinterpret_cast<const T*>(shared->data_ptr())
+                                           : nullptr;
+  auto* out_ptr = reinterpret_cast<T*>(out.data_ptr());
+  launch_combine(blocks, vec_aligned<T>({slots.data_ptr(), shared_ptr, out_ptr}), row_of,
+                 w.data_ptr<float>(), shared_ptr, out_ptr, T_, K, H);
 }
 
 at::Tensor combine_epilogue_cuda(const at::Tensor& slots, const at::Tensor& topk_idx,
