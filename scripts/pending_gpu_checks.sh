@@ -12,13 +12,32 @@
 #   PART=bench2: the layer forward with the GPU row table, the per-category breakdown,
 #     wgrad into main_grad three ways (benchmarks.main_grad), the layer with the shared
 #     expert folded into the expert pass (MOK_SHARED_EXPERT=folded).
-#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2 \
+#   PART=next (queued 2026-12-04): the backward megakernel v2 (L2 prefetch in the movers)
+#     tests and layer backward vs the chain; the breakdown on the current defaults
+#     (GPU row table, combine v2).
+#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2|next \
 #     bash scripts/pending_gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 shapes=${SHAPES:-qwen3-30b-a3b,deepseek-v3,qwen3.5-like}
 part=${PART:-tests}
+if [ "$part" = next ]; then
+  timeout 120 $PY -m pytest -q -ra tests/test_backward_megakernel.py \
+    > "$OUT/test_backward_megakernel.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" \
+    "$OUT/test_backward_megakernel.log" | head -20
+  for bwd in launches megakernel; do
+    MOK_BACKWARD=$bwd timeout 120 $PY -m benchmarks.layer --shapes "$shapes" --tokens 8192 \
+      --backends mok --pass bwd --iters 20 --out "$OUT/layer-bwd-$bwd" \
+      > "$OUT/layer-bwd-$bwd.log" 2>&1
+    echo "== MOK_BACKWARD=$bwd"
+    grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
+  done
+  timeout 100 $PY -m benchmarks.breakdown --shapes "$shapes" --iters 3 --out "$OUT" 2>&1 \
+    | grep -E "fwd|bwd|wrote" | grep -v Warn
+  exit 0
+fi
 if [ "$part" = tests ]; then
   # The GPU row table (MOK_SCHEDULE=kernel) against the tensor ops.
   timeout 60 $PY -m pytest -q -ra tests/test_schedule_kernel.py > "$OUT/test_schedule.log" 2>&1
