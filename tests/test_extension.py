@@ -95,3 +95,14 @@ def test_combine_rows_cuda_batches_and_alignment(topk, with_shared):
     expected = reference.combine(slots.float(), idx, w, None if shared is None else shared.float(),
                                  torch.bfloat16)
     assert (got.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
+    # The arithmetic itself, independently of the kernel: acc = fma(w[t, k], row, acc) in
+    # fp32 over k ascending from the shared row, rounded once to bf16. fp32 fma emulated in
+    # float64 (the fp32 x bf16 product is exact there; the sum's double rounding differs
+    # from a true fma with probability ~2^-29 per step).
+    acc = (shared.double() if shared is not None
+           else torch.zeros(tokens, hidden, dtype=torch.float64, device="cuda"))
+    for k in range(topk):
+        routed = (route_row[:, k] >= 0).unsqueeze(1)
+        step = (w[:, k:k + 1].double() * slots[:, k].double() + acc).float().double()
+        acc = torch.where(routed, step, acc)
+    assert torch.equal(got, acc.float().to(torch.bfloat16))

@@ -257,7 +257,8 @@ def test_launches_of_a_layer_forward_with_the_gpu_schedule(path, monkeypatch):
     kernels = [n for n in names if "memset" not in n.lower()]
     assert sum("schedule_" in k for k in kernels) == 3, kernels
     assert sum("moe_forward_kernel" in k for k in kernels) == 1, kernels
-    assert len(kernels) <= 5, kernels  # + the combine
+    assert sum("combine_kernel" in k for k in kernels) == 1, kernels
+    assert len(kernels) == 5, kernels  # nothing else: no tensor ops per forward
 
 
 def test_bad_knobs_raise_before_launch():

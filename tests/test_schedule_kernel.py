@@ -1,7 +1,7 @@
-"""The row table's CUDA op (MOK_SCHEDULE=kernel, csrc/comm/schedule.cu) against
-schedule.build_row_table's tensor ops on the same GPU routing: every field equal, over
-EP sizes, drops, skew, overflow, invalid ids, many chunks and local experts past 64.
-The knob's checks run on the CPU."""
+"""The row table's CUDA op (MOK_SCHEDULE=kernel, the default; csrc/comm/schedule.cu)
+against schedule.build_row_table's tensor ops on the same GPU routing: every field equal
+(and the route -> row map at EP = 1), over EP sizes, drops, skew, overflow, invalid ids,
+many chunks and local experts past 64. The knob's checks run on the CPU."""
 
 import pytest
 import torch
@@ -12,12 +12,15 @@ FIELDS = ("peer_rank", "peer_token", "peer_k", "tokens_per_expert", "expert_offs
           "num_rows", "overflow", "invalid_ids")
 
 
-def test_the_knob_is_opt_in_and_checked(monkeypatch):
+def test_the_knob_defaults_to_the_kernel_and_is_checked(monkeypatch):
     ids = torch.zeros(1, 4, 2, dtype=torch.int32)
     monkeypatch.delenv("MOK_SCHEDULE", raising=False)
-    assert not schedule.schedule_kernel_enabled(ids)
-    monkeypatch.setenv("MOK_SCHEDULE", "kernel")
-    assert not schedule.schedule_kernel_enabled(ids)  # CPU routing: the tensor ops
+    assert not schedule.schedule_kernel_enabled(ids)  # CPU routing: always the tensor ops
+    if torch.cuda.is_available():
+        from megatron_mok import ops
+        assert schedule.schedule_kernel_enabled(ids.cuda()) == ops.extension_available()
+        monkeypatch.setenv("MOK_SCHEDULE", "torch")
+        assert not schedule.schedule_kernel_enabled(ids.cuda())
     monkeypatch.setenv("MOK_SCHEDULE", "cuda")
     with pytest.raises(ValueError, match="MOK_SCHEDULE"):
         schedule.schedule_kernel_enabled(ids)

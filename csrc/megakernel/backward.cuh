@@ -142,8 +142,9 @@ __device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64
 // without help each row costs ~6 dependent DRAM round trips (table entries, router
 // weight, four passes of loads): measured at 1792cfb, the layer backward was 21 % slower
 // than the launch chain on qwen3-30b-a3b. So while row j is worked on, lane 0 asks L2 for
-// the next row's dy and y rows (bulk prefetch: no registers held) and loads the table
-// entries of the row after it; the row's loads then hit L2. The data and the order of the
+// the next row's dy and y rows (bulk prefetch: no data registers held; the next token is
+// carried across iterations) and loads the table entries of the row after it; the row's
+// loads then hit L2. The data and the order of the
 // arithmetic are untouched: the same bits.
 __device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_tiles,
                                               int mover, int movers_per_cta) {
@@ -158,10 +159,12 @@ __device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_
   }
   for (int64_t j = first; j < rows; j += movers) {
     if (lane == 0 && j + movers < rows) {
-      bulk_prefetch_l2(p.y_rows + (j + movers) * p.row_vecs, uint32_t(p.row_vecs) * 16u);
-      // EP = 1 only: the peers' dy is read over NVLink, not through this L2.
-      if (p.dy != nullptr && next_token >= 0) {
-        bulk_prefetch_l2(p.dy + int64_t(next_token) * p.row_vecs, uint32_t(p.row_vecs) * 16u);
+      if (next_token >= 0) {  // padding rows read nothing
+        bulk_prefetch_l2(p.y_rows + (j + movers) * p.row_vecs, uint32_t(p.row_vecs) * 16u);
+        // EP = 1 only: the peers' dy is read over NVLink, not through this L2.
+        if (p.dy != nullptr) {
+          bulk_prefetch_l2(p.dy + int64_t(next_token) * p.row_vecs, uint32_t(p.row_vecs) * 16u);
+        }
       }
       const int64_t after = j + 2 * movers;  // loads in flight while row j is pulled
       next_token = after < rows && __ldg(p.peer_rank + after) >= 0 ? __ldg(p.peer_token + after)
