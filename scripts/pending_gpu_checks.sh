@@ -23,6 +23,9 @@ source scripts/gpu_env.sh
 shapes=${SHAPES:-qwen3-30b-a3b,deepseek-v3,qwen3.5-like}
 part=${PART:-tests}
 if [ "$part" = next ]; then
+  # combine v2's bits against an fp32-fma emulation (added after the last GPU run).
+  timeout 60 $PY -m pytest -q -ra -m gpu tests/test_extension.py > "$OUT/test_extension.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_extension.log" | head -8
   timeout 120 $PY -m pytest -q -ra tests/test_backward_megakernel.py \
     > "$OUT/test_backward_megakernel.log" 2>&1
   grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" \
