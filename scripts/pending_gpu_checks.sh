@@ -22,6 +22,16 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 shapes=${SHAPES:-qwen3-30b-a3b,deepseek-v3,qwen3.5-like}
 part=${PART:-tests}
+# The layer backward on the launch chain, then on the backward megakernel.
+layer_backward_both_ways() {
+  for bwd in launches megakernel; do
+    MOK_BACKWARD=$bwd timeout 120 $PY -m benchmarks.layer --shapes "$shapes" --tokens 8192 \
+      --backends mok --pass bwd --iters 20 --out "$OUT/layer-bwd-$bwd" \
+      > "$OUT/layer-bwd-$bwd.log" 2>&1
+    echo "== MOK_BACKWARD=$bwd"
+    grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
+  done
+}
 if [ "$part" = next ]; then
   # combine v2's bits against an fp32-fma emulation (added after the last GPU run).
   timeout 60 $PY -m pytest -q -ra -m gpu tests/test_extension.py > "$OUT/test_extension.log" 2>&1
@@ -30,13 +40,7 @@ if [ "$part" = next ]; then
     > "$OUT/test_backward_megakernel.log" 2>&1
   grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" \
     "$OUT/test_backward_megakernel.log" | head -20
-  for bwd in launches megakernel; do
-    MOK_BACKWARD=$bwd timeout 120 $PY -m benchmarks.layer --shapes "$shapes" --tokens 8192 \
-      --backends mok --pass bwd --iters 20 --out "$OUT/layer-bwd-$bwd" \
-      > "$OUT/layer-bwd-$bwd.log" 2>&1
-    echo "== MOK_BACKWARD=$bwd"
-    grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
-  done
+  layer_backward_both_ways
   timeout 100 $PY -m benchmarks.breakdown --shapes "$shapes" --iters 3 --out "$OUT" 2>&1 \
     | grep -E "fwd|bwd|wrote" | grep -v Warn
   exit 0
@@ -74,13 +78,7 @@ if [ "$part" = suites ]; then
   exit 0
 fi
 if [ "$part" = bench ]; then
-  for bwd in launches megakernel; do
-    MOK_BACKWARD=$bwd timeout 120 $PY -m benchmarks.layer --shapes "$shapes" --tokens 8192 \
-      --backends mok --pass bwd --iters 20 --out "$OUT/layer-bwd-$bwd" \
-      > "$OUT/layer-bwd-$bwd.log" 2>&1
-    echo "== MOK_BACKWARD=$bwd"
-    grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
-  done
+  layer_backward_both_ways
   timeout 150 $PY -m benchmarks.layer --tokens 8192 --backends mok,torch-unfused --iters 20 \
     --out "$OUT/layer" > "$OUT/layer.log" 2>&1
   grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer.log"
