@@ -15,7 +15,10 @@
 #   PART=next (queued 2026-12-04): the backward megakernel v2 (L2 prefetch in the movers)
 #     tests and layer backward vs the chain; the breakdown on the current defaults
 #     (GPU row table, combine v2).
-#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2|next \
+#   PART=v5: core v5 (h through the ring for the SwiGLU backward): tests, GEMMs on both
+#     paths, layer backward. PART=v5c: v5 with st.shared epilogues: the suites, GEMMs,
+#     the layer on all shapes vs torch-unfused.
+#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2|next|v5|v5c \
 #     bash scripts/pending_gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +35,45 @@ layer_backward_both_ways() {
     grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
   done
 }
+if [ "$part" = v5c ]; then
+  # Core v5 with the epilogues' st.shared at 32-bit addresses (every epilogue, the
+  # megakernels' too): the suites that run an epilogue, then the GEMMs alone and the layer
+  # (all six shapes) against torch-unfused.
+  timeout 60 $PY -m pytest -q -ra -m gpu tests/test_grouped_gemm.py > "$OUT/test_grouped_gemm.log" 2>&1
+  grep -E "^FAILED|passed|failed" "$OUT/test_grouped_gemm.log" | head -6
+  timeout 60 $PY -m pytest -q -ra tests/test_backward_megakernel.py \
+    > "$OUT/test_backward_megakernel.log" 2>&1
+  grep -E "^FAILED|passed|failed" "$OUT/test_backward_megakernel.log" | head -6
+  timeout 200 $PY -m pytest -q -ra -x tests/test_megakernel.py > "$OUT/test_megakernel.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_megakernel.log" | head -6
+  timeout 100 $PY -m benchmarks.gemm --shapes "$shapes" --iters 10 --warmup 3 --ops \
+    --out "$OUT/gemm" > "$OUT/gemm.log" 2>&1
+  grep -E "^(qwen|deepseek|dsv4|gpt|mixtral)|^  (fc|dgrad|wgrad)" "$OUT/gemm.log"
+  timeout 170 $PY -m benchmarks.layer --tokens 8192 --backends mok,torch-unfused --iters 20 \
+    --out "$OUT/layer" > "$OUT/layer.log" 2>&1
+  grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer.log"
+  exit 0
+fi
+if [ "$part" = v5 ]; then
+  # Core v5 (2026-12-04): h through the ring in the dgrad + SwiGLU-bwd epilogue. The core's
+  # GPU tests (ring vs global bits, fp32 references, clusters), the backward megakernel's
+  # (it reads h through its ring too), then the GEMMs alone on both paths and the layer
+  # backward.
+  timeout 200 $PY -m pytest -q -ra -m gpu tests/test_grouped_gemm.py > "$OUT/test_grouped_gemm.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_grouped_gemm.log" | head -12
+  timeout 90 $PY -m pytest -q -ra tests/test_backward_megakernel.py \
+    > "$OUT/test_backward_megakernel.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error|watchdog)|passed|failed" \
+    "$OUT/test_backward_megakernel.log" | head -12
+  for mode in global ring; do
+    MOK_DGRAD_H=$mode timeout 150 $PY -m benchmarks.gemm --shapes "$shapes" --iters 10 \
+      --warmup 3 --ops --out "$OUT/gemm-$mode" > "$OUT/gemm-$mode.log" 2>&1
+    echo "== MOK_DGRAD_H=$mode"
+    grep -E "^(qwen|deepseek|dsv4|gpt|mixtral).*dgrad|dgrad_fc2_swiglu" "$OUT/gemm-$mode.log"
+  done
+  layer_backward_both_ways
+  exit 0
+fi
 if [ "$part" = next ]; then
   # combine v2's bits against an fp32-fma emulation (added after the last GPU run).
   timeout 60 $PY -m pytest -q -ra -m gpu tests/test_extension.py > "$OUT/test_extension.log" 2>&1

@@ -120,6 +120,39 @@ def test_backward_ops_match_fp32(routing, hidden, inter, cluster):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", DIMS + [(512, 1408)])
+def test_dgrad_swiglu_h_through_ring_same_bits_as_global(routing, hidden, inter, monkeypatch):
+    """Core v5: the dgrad + SwiGLU-backward epilogue reads h from ring stages that the
+    producer filled by TMA (default) instead of from global memory (MOK_DGRAD_H=global).
+    Same values, same arithmetic: the same bits, with column tails (I = 200, 1408: chunks
+    past I are zero-filled), ragged and empty experts and any grid size."""
+    counts = COUNTS[routing]
+    offsets, num_rows, capacity, real = _row_table(counts)
+    E = len(counts)
+    d_out = _rows(capacity, hidden, real, seed=41)
+    h = _rows(capacity, 2 * inter, real, seed=42, scale=3.0)
+    w2 = _weights(E, hidden, inter, seed=43)
+    used = int(num_rows.item())
+    monkeypatch.setenv("MOK_DGRAD_H", "global")
+    d_h_global = gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows)[:used]
+    monkeypatch.delenv("MOK_DGRAD_H")
+    for max_ctas in (0, 1, 5):
+        d_h_ring = gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows, max_ctas=max_ctas)[:used]
+        assert torch.equal(d_h_ring, d_h_global), max_ctas
+    # And the values are the SwiGLU backward of d_out @ w2 (not merely equal to each other).
+    gate, up = h.float().chunk(2, dim=-1)
+    for e, lo, hi in _segments(offsets):
+        if hi == lo:
+            continue
+        d_act = d_out[lo:hi].float() @ w2[e].float()
+        g, u = gate[lo:hi], up[lo:hi]
+        sig = torch.sigmoid(g)
+        ref = torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=-1)
+        assert rel_l2(d_h_ring[lo:hi].float(), ref) < TOL, e
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gap, reverse", [(0, True), (320 * 8, False), (320 * 8, True)])
 def test_wgrad_accumulates_into_per_expert_buffers(gap, reverse):
     """main_grads that lie apart (a gap between experts, as a SequentialMLP's fc1 and fc2

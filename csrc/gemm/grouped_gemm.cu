@@ -33,6 +33,13 @@ int cluster_size() {
   return env != nullptr && std::string(env) == "2" ? 2 : 1;
 }
 
+// MOK_DGRAD_H=global: the dgrad + SwiGLU-backward epilogue reads h from global memory (the
+// core before v5); otherwise the producer loads it through the operand ring.
+bool h_through_ring() {
+  const char* env = std::getenv("MOK_DGRAD_H");
+  return env == nullptr || std::string(env) != "global";
+}
+
 // Calls f(Cfg<1>{}) or f(Cfg<2>{}) by the cluster size.
 template <template <int> class Cfg, class F>
 void with_cluster(F&& f) {
@@ -41,10 +48,13 @@ void with_cluster(F&& f) {
 
 // out: the output (kRows: rows x N; kTokensAsK: M x N x E); h: the SwiGLU pre-activations
 // as (rows, I, 2) when stored, else the same view as out (unused).
-template <class Cfg, bool kReduce = false>
+// h_in (kHRing): the SwiGLU pre-activations [rows, 2I] that the epilogue reads through the
+// operand ring.
+template <class Cfg, bool kReduce = false, bool kHRing = false>
 void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, int a_rows,
             int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
-            int b_q, const OutView& out, const OutView& h, int64_t max_ctas) {
+            int b_q, const OutView& out, const OutView& h, int64_t max_ctas,
+            const at::Tensor* h_in = nullptr) {
   constexpr int C = Cfg::kCluster;
   if (p.num_tasks <= 0 || p.n_tiles <= 0) return;
   // Tasks are groups of C neighbouring row tiles (one per CTA of a cluster).
@@ -63,9 +73,16 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   }();
   auto tma_o = make_store_atom<Cfg, kReduce>(out);
   auto tma_h = make_store_atom<Cfg, kReduce>(h);
+  auto tma_h_in = [&] {
+    if constexpr (kHRing) {
+      return make_load_h<Cfg>(*h_in);
+    } else {
+      return tma_a;  // unused
+    }
+  }();
   auto kernel =
-      &gemm::grouped_gemm_kernel<Cfg, decltype(tma_a), decltype(tma_b), decltype(tma_b_mc),
-                                 decltype(tma_o)>;
+      &gemm::grouped_gemm_kernel<Cfg, kHRing, decltype(tma_a), decltype(tma_b),
+                                 decltype(tma_b_mc), decltype(tma_o), decltype(tma_h_in)>;
   static int max_clusters_per_device[64] = {0};  // per instantiation and device
   const int device = a.get_device();
   int& max_clusters = max_clusters_per_device[device];
@@ -104,7 +121,7 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   config.gridDim = dim3(clusters * C);
   const gemm::OperandShapes shapes{a_rows, a_cols, b_n, b_k, b_q};
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_b_mc, tma_o, tma_h,
-                                    shapes));
+                                    tma_h_in, shapes));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -181,6 +198,14 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
   c10::cuda::CUDAGuard guard(d_out.device());
   GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLU<1>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
+  // h through the operand ring (default), or read by the epilogue from global memory
+  // (MOK_DGRAD_H=global, and always for clusters of 2): the same bits.
+  if (cluster_size() == 1 && h_through_ring()) {
+    launch<CfgDgradSwiGLU<1>, false, true>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
+                                           make_stride(_1{}, I, H * I), int(I), int(H), int(E),
+                                           rows_view(d_h), halves_view(d_h), max_ctas, &h);
+    return;
+  }
   with_cluster<CfgDgradSwiGLU>([&](auto cfg) {
     launch<decltype(cfg)>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
                           make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),

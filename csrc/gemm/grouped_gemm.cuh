@@ -12,12 +12,18 @@
 namespace megatron_mok::gemm {
 
 // tma_b_mc: B as halves multicast to both CTAs of a cluster (C = 2; with C = 1, tma_b again).
-template <class Cfg, class TmaA, class TmaB, class TmaBmc, class TmaO>
+// kHRing (kSwiGLUBwd, C = 1): the producer loads the epilogue's h chunks through the ring
+// with tma_h_in (h as (rows, N, 2)); otherwise the epilogue reads h from global memory and
+// tma_h_in is unused.
+template <class Cfg, bool kHRing, class TmaA, class TmaB, class TmaBmc, class TmaO, class TmaHIn>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ TmaA tma_a,
                     const __grid_constant__ TmaB tma_b, const __grid_constant__ TmaBmc tma_b_mc,
                     const __grid_constant__ TmaO tma_o, const __grid_constant__ TmaO tma_h,
-                    const OperandShapes shapes) {
+                    const __grid_constant__ TmaHIn tma_h_in, const OperandShapes shapes) {
+  static_assert(!kHRing || (Cfg::epi == Epi::kSwiGLUBwd && Cfg::kCluster == 1 &&
+                            Cfg::group == Grouping::kRows),
+                "h through the ring: the SwiGLU backward's single-CTA kernel only");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace cute;
   using Storage = typename Cfg::SharedStorage;
@@ -34,6 +40,7 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     if constexpr (C == 2) prefetch_tma_descriptor(tma_b_mc.get_tma_descriptor());
     prefetch_tma_descriptor(tma_o.get_tma_descriptor());
     prefetch_tma_descriptor(tma_h.get_tma_descriptor());
+    if constexpr (kHRing) prefetch_tma_descriptor(tma_h_in.get_tma_descriptor());
     init_tile_barriers<Cfg>(smem);
   }
   if constexpr (C == 1) {
@@ -63,6 +70,9 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
         const Task task = decode_task<Cfg>(p, t, rank);
         if (task.skip || task.k_begin >= task.k_end) continue;
         load_task<Cfg>(smem, tma_a, tma_b, tma_b_mc, shapes, task, rank, ring);
+        // The consumers read these in the task's epilogue: for C = 1 a task loaded here is
+        // a task they store (kRows: K > 0, and store = !skip).
+        if constexpr (kHRing) load_h_chunks<Cfg>(smem, tma_h_in, p, task, ring);
       }
     }
   } else {
@@ -87,13 +97,20 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
       const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip) continue;
-      if constexpr (Cfg::epi == Epi::kSwiGLUBwd) prefetch_h<Cfg>(p, task, ctid);
+      if constexpr (Cfg::epi == Epi::kSwiGLUBwd && !kHRing) prefetch_h<Cfg>(p, task, ctid);
       const bool has_k = task.k_begin < task.k_end;
       if (has_k) {
         mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, task.k_begin, task.k_end, ring,
                       es.wg_thread);
       }
-      if (task.store) tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h);
+      if (task.store) {
+        if constexpr (kHRing) {
+          tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h,
+                             HFromRing<Cfg, Storage>{smem, ring});
+        } else {
+          tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h);
+        }
+      }
     }
     if (es.wg_thread == 0) tma_store_wait<0>();  // smem must outlive the stores' reads
   }

@@ -88,6 +88,17 @@ auto make_load_b(const at::Tensor& b, typename Cfg::StrideB stride, int n, int k
                        Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
 }
 
+// h [rows, 2I] as (rows, I, 2) in BM x BK boxes (gate, up as planes) for the SwiGLU
+// backward's epilogue chunks; columns past I are zero-filled.
+template <class Cfg>
+auto make_load_h(const at::Tensor& h) {
+  const int64_t half = h.size(1) / 2;
+  auto m = make_tensor(make_gmem_ptr(as_bf16(h)), make_shape(int(h.size(0)), int(half), 2),
+                       make_stride(h.size(1), _1{}, half));
+  return make_tma_atom(SM90_TMA_LOAD{}, m, typename Cfg::SmemLayoutH{},
+                       Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
+}
+
 inline void check_bf16_cuda(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_cuda(), "megatron_mok: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, "megatron_mok: ", name, " must be bfloat16");

@@ -113,6 +113,13 @@ struct GemmConfig {
                                            Shape<_64, Int<kChunkCols>>{}));
   static constexpr int kChunkElems = 64 * kChunkCols;
 
+  // kSwiGLUBwd's h through the ring (HFromRing): one 64-column chunk of the tile's gate and
+  // up (BM x BK each, as an A tile) per stage, gate in the stage's A space, up in the first
+  // BM x BK of its B space.
+  using SmemLayoutH = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
+                                             Shape<Int<BM>, Int<BK>>{}));
+  static constexpr int kHTxBytes = 2 * BM * BK * int(sizeof(bf16));
+
   using SharedStorage = TileStorage<cosize_v<SmemLayoutA>, cosize_v<SmemLayoutB>, EpiT,
                                     2 * 2 * kChunkElems, Stages>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
@@ -317,6 +324,49 @@ __device__ __forceinline__ void load_task(Storage& smem, const TmaA& tma_a, cons
   }
 }
 
+// kSwiGLUBwd: the 64-column chunks of a tile's epilogue that hold columns below N (the
+// producer loads and the consumers read exactly these).
+template <class Cfg>
+__device__ __forceinline__ int h_chunks(const GemmParams& p, const Task& task) {
+  constexpr int CW = Cfg::kChunkCols;
+  const int left = p.N - task.n_tile * Cfg::BN;
+  return max(0, min(Cfg::BN / CW, (left + CW - 1) / CW));
+}
+
+// Producer, kSwiGLUBwd with h through the ring: after a task's K stages, one stage per
+// epilogue chunk holding that chunk's gate and up (BM rows x BK columns each) of h, viewed
+// as (rows, N, 2) so that columns past N are zero-filled like the global path's zeros. The
+// epilogue then reads h from shared memory: its loads are in flight during the last K
+// stages instead of one L2 round trip per pair after the mainloop.
+template <class Cfg, class Storage, class TmaH>
+__device__ __forceinline__ void load_h_chunks(Storage& smem, const TmaH& tma_h_in,
+                                              const GemmParams& p, const Task& task,
+                                              RingPos& ring) {
+  using namespace cute;
+  constexpr int BM = Cfg::BM, BK = Cfg::BK, BN = Cfg::BN;
+  static_assert(Cfg::kChunkCols == BK && Cfg::kCluster == 1 && BN >= BM,
+                "h chunks are BK wide, single-CTA, and fit the stage's B space");
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  Tensor mH = tma_h_in.get_tma_tensor(make_shape(p.rows_cap, p.N, 2));
+  const int nq = h_chunks<Cfg>(p, task);
+  for (int q = 0; q < nq; ++q) {
+    EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
+    FullBar::arrive_and_expect_tx(&smem.full[ring.stage], Cfg::kHTxBytes);
+    CUTE_UNROLL
+    for (int plane = 0; plane < 2; ++plane) {
+      bf16* dst = plane == 0 ? smem.a + ring.stage * BM * BK : smem.b + ring.stage * BN * BK;
+      Tensor sH = make_tensor(make_smem_ptr(dst), typename Cfg::SmemLayoutH{});
+      Tensor gH = local_tile(mH(_, _, plane), Shape<Int<BM>, Int<BK>>{},
+                             make_coord(task.m_tile, task.n_tile * (BN / BK) + q));
+      auto [tHg, tHs] = tma_partition(tma_h_in, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sH),
+                                      group_modes<0, 2>(gH));
+      copy(tma_h_in.with(smem.full[ring.stage]), tHg, tHs);
+    }
+    ring.advance<Cfg::Stages>();
+  }
+}
+
 // Consumer warpgroup: the WGMMAs of K tiles [k_begin, k_end) into accum, each stage handed
 // back to the producer as soon as the WGMMAs reading it are done. Stages written through
 // the generic proxy (cp.async gathers) must be fenced by their writers before the full
@@ -358,6 +408,13 @@ __device__ __forceinline__ void mma_task(Storage& smem, Mma& tiled_mma, FragA& t
   warpgroup_wait<0>();
   release(prev);
   warpgroup_fence_operand(accum);
+}
+
+// Byte offset of (row, byte column) in a tile of 128-byte rows under the 128-byte swizzle
+// (TMA SWIZZLE_128B, CuTe's Layout_K_SW128_Atom): 16-byte unit c / 16 XOR row % 8. The
+// same as CuTe's layouts for bf16 and fp32 (checked on the host for every element).
+__device__ __forceinline__ uint32_t sw128_offset(int row, int byte_col) {
+  return uint32_t(row * 128 + ((((byte_col >> 4) ^ (row & 7))) << 4) + (byte_col & 15));
 }
 
 // Staged epilogue of one consumer warpgroup. In the WGMMA accumulator layout, element i of
@@ -403,17 +460,26 @@ __device__ __forceinline__ void emit_chunk(Storage& smem, EpilogueState& es, con
   }
   warpgroup_bar_sync(1 + es.wg);
   Tensor sE = make_tensor(make_smem_ptr(chunk), typename Cfg::EpiLayout{});
+  // st.shared at 32-bit shared addresses, the layout's swizzle by hand: through the CuTe
+  // pointer the compiler emitted generic 64-bit stores with ~6 address instructions each
+  // (perf-notes, core v5).
+  const uint32_t chunk_base = cast_smem_ptr_to_uint(chunk);
   CUTE_UNROLL
   for (int jb = 0; jb < CW / 8; ++jb) {
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int i = 4 * (first_block + jb) + 2 * half;
       const float2 v = values(i);
-      Out* dst = &sE(es.row_t + 8 * half, es.col_t + 8 * jb);
+      const uint32_t dst = chunk_base + sw128_offset(es.row_t + 8 * half,
+                                                     (es.col_t + 8 * jb) * int(sizeof(Out)));
       if constexpr (std::is_same_v<Out, float>) {
-        *reinterpret_cast<float2*>(dst) = v;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(dst), "f"(v.x), "f"(v.y)
+                     : "memory");
       } else {
-        *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v.x, v.y);
+        const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst),
+                     "r"(*reinterpret_cast<const uint32_t*>(&b))
+                     : "memory");
       }
     }
   }
@@ -448,13 +514,59 @@ __device__ __forceinline__ void prefetch_h(const GemmParams& p, const Task& task
   }
 }
 
+// Where kSwiGLUBwd's epilogue reads h: load(rl, cl, r, c, g, u) gives the (gate, up) pairs
+// at tile row rl / chunk column cl, i.e. global row r / column c (zeros past N); one chunk
+// is read between begin_chunk() and end_chunk().
+// HFromGlobal: 4-byte loads straight from global memory (the backward megakernel).
+struct HFromGlobal {
+  const GemmParams& p;
+  __device__ __forceinline__ void begin_chunk() {}
+  __device__ __forceinline__ void end_chunk() {}
+  __device__ __forceinline__ void load(int, int, int r, int c, float2& g, float2& u) const {
+    g = make_float2(0.f, 0.f);
+    u = g;
+    if (c < p.N) {
+      const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
+      g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
+      u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
+    }
+  }
+};
+
+// HFromRing: the ring stage that the producer filled with the chunk (load_h_chunks), read
+// from shared memory (128B-swizzled: a warp's 8 rows x 16 bytes hit 32 distinct banks) and
+// handed back once every consumer thread has its values.
+template <class Cfg, class Storage>
+struct HFromRing {
+  Storage& smem;
+  RingPos& ring;
+  __device__ __forceinline__ void begin_chunk() {
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+  }
+  __device__ __forceinline__ void end_chunk() {
+    cutlass::arch::ClusterBarrier::arrive(&smem.empty[ring.stage]);
+    ring.template advance<Cfg::Stages>();
+  }
+  // SmemLayoutH by hand (the TMA's 128-byte swizzle: 128-byte rows, 16-byte unit c / 8
+  // XOR row % 8; checked equal to CuTe's layout): CuTe's per-access offsets were hoisted out
+  // of the tile loop and spilled.
+  __device__ __forceinline__ void load(int rl, int cl, int, int, float2& g, float2& u) const {
+    constexpr int BM = Cfg::BM, BK = Cfg::BK, BN = Cfg::BN;
+    const int off = int(sw128_offset(rl, cl * 2));
+    const char* gate = reinterpret_cast<const char*>(smem.a + ring.stage * BM * BK);
+    const char* up = reinterpret_cast<const char*>(smem.b + ring.stage * BN * BK);
+    g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + off));
+    u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(up + off));
+  }
+};
+
 // kSwiGLUBwd, chunk q of a thread's accumulators: for each value l of the chunk, its d_act
 // d (the accumulator), the matching h pair (gate g, up u; zeros past N) and sigmoid(g),
-// handed to fn(l, d, g, u, sig). N = I is a multiple of 8, so a pair starting below N is
+// handed to fn(l, d, g, u, sig) with d by reference. N = I is a multiple of 8, so a pair starting below N is
 // whole.
-template <class Cfg, class Acc, class Fn>
-__device__ __forceinline__ void swiglu_bwd_chunk(const GemmParams& p, const EpilogueState& es,
-                                                 const Task& task, Acc& accum, int m0, int q,
+template <class Cfg, class Acc, class HSrc, class Fn>
+__device__ __forceinline__ void swiglu_bwd_chunk(const EpilogueState& es, const Task& task,
+                                                 Acc& accum, int m0, int q, const HSrc& hsrc,
                                                  Fn&& fn) {
   constexpr int BN = Cfg::BN, CW = Cfg::kChunkCols;
   CUTE_UNROLL
@@ -462,14 +574,9 @@ __device__ __forceinline__ void swiglu_bwd_chunk(const GemmParams& p, const Epil
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
-      const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
-      const int c = task.n_tile * BN + es.col_t + 8 * (i / 4);
-      float2 g = make_float2(0.f, 0.f), u = g;
-      if (c < p.N) {
-        const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
-        g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
-        u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
-      }
+      const int rl = 64 * es.wg + es.row_t + 8 * half, cl = es.col_t + 8 * jb;
+      float2 g, u;
+      hsrc.load(rl, cl, m0 + rl, task.n_tile * BN + q * CW + cl, g, u);
       const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
       CUTE_UNROLL
       for (int j = 0; j < 2; ++j) {
@@ -484,12 +591,11 @@ __device__ __forceinline__ void swiglu_bwd_chunk(const GemmParams& p, const Epil
 // TMA stores are 3-D (rows, cols, planes): kRows out (rows, N, 1), kTokensAsK out (M, N, E);
 // tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0 and 1: the SwiGLU
 // forward's h, the SwiGLU backward's d_h.
-// kByPlane (kSwiGLUBwd only): compute and stage d_gate, then d_up, instead of both at
-// once; the same values, fewer live registers (the backward megakernel's consumer spilled).
-template <class Cfg, bool kByPlane = false, class Storage, class Acc, class TmaO, class TmaH>
+// hsrc (kSwiGLUBwd): where h is read, HFromGlobal or HFromRing.
+template <class Cfg, class Storage, class Acc, class TmaO, class TmaH, class HSrc>
 __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, const GemmParams& p,
                                               const Task& task, Acc& accum, bool has_k,
-                                              const TmaO& tma_o, const TmaH& tma_h) {
+                                              const TmaO& tma_o, const TmaH& tma_h, HSrc&& hsrc) {
   using namespace cute;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, CW = Cfg::kChunkCols;
   constexpr int BNh = BN / Cfg::kSplit;
@@ -537,46 +643,40 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
       }
     }
   } else {  // kSwiGLUBwd: acc = d_act; d_h = [d_gate, d_up] (planes of the h view)
-    // Per chunk: compute d_h from the matching h pairs in registers, then stage it like the
-    // other outputs. kByPlane: d_gate, staged, then d_up: 32 values live next to the
-    // accumulators instead of 64 (the megakernels' consumers spilled); the h pairs are read
-    // twice (L1 hits), each value's arithmetic unchanged.
+    // Per chunk: d_gate into registers and d_up into the accumulator it came from (d_act is
+    // spent once both are computed), then both staged like the other outputs. 32 values
+    // live next to the accumulators and one sigmoid per value; holding d_gate and d_up apart
+    // (64) spilled, and computing them in two passes doubled the epilogue's code, which
+    // then missed the instruction cache (perf-notes, core v5).
     constexpr int kPer = CW / 2;  // values of one chunk and plane held by a thread
-    auto d_gate = [](float d, float g, float u, float sig) {
-      return d * u * sig * (1.f + g * (1.f - sig));
-    };
-    auto d_up = [](float d, float g, float u, float sig) { return d * g * sig; };
     CUTE_UNROLL
     for (int q = 0; q < BN / CW; ++q) {
       if (task.n_tile * BN + q * CW < p.N) {
         const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
-        auto stage = [&](int plane, const float(&v)[kPer]) {
-          emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, plane, q * (CW / 8),
-                          [&](int i) { return make_float2(v[i - base], v[i - base + 1]); });
-        };
-        if constexpr (!kByPlane) {
-          float dg[kPer], du[kPer];
-          swiglu_bwd_chunk<Cfg>(p, es, task, accum, m0, q, [&](int l, float d, float g, float u,
-                                                              float sig) {
-            dg[l] = d_gate(d, g, u, sig);
-            du[l] = d_up(d, g, u, sig);
-          });
-          stage(0, dg);
-          stage(1, du);
-        } else {
-          CUTE_UNROLL
-          for (int plane = 0; plane < 2; ++plane) {
-            float dh[kPer];
-            swiglu_bwd_chunk<Cfg>(p, es, task, accum, m0, q, [&](int l, float d, float g,
-                                                                float u, float sig) {
-              dh[l] = plane == 0 ? d_gate(d, g, u, sig) : d_up(d, g, u, sig);
-            });
-            stage(plane, dh);
-          }
-        }
+        float dg[kPer];
+        hsrc.begin_chunk();
+        swiglu_bwd_chunk<Cfg>(es, task, accum, m0, q, hsrc, [&](int l, float& d, float g,
+                                                               float u, float sig) {
+          const float d_act = d;
+          dg[l] = d_act * u * sig * (1.f + g * (1.f - sig));
+          d = d_act * g * sig;
+        });
+        hsrc.end_chunk();
+        emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8),
+                        [&](int i) { return make_float2(dg[i - base], dg[i - base + 1]); });
+        emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 1, q * (CW / 8),
+                        [&](int i) { return make_float2(accum(i), accum(i + 1)); });
       }
     }
   }
+}
+
+// The same, h (kSwiGLUBwd) read from global memory.
+template <class Cfg, class Storage, class Acc, class TmaO, class TmaH>
+__device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, const GemmParams& p,
+                                              const Task& task, Acc& accum, bool has_k,
+                                              const TmaO& tma_o, const TmaH& tma_h) {
+  tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h, HFromGlobal{p});
 }
 
 }  // namespace megatron_mok::gemm

@@ -118,11 +118,13 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
   auto tma_w1 = make_load_b<CfgX>(w1, make_stride(_1{}, H, 2 * I * H), int(H), int(2 * I),
                                   int(E));
   auto tma_dx = make_store_atom<CfgX>(rows_view(dx_rows));
+  auto tma_h = make_load_h<CfgD>(h);
   auto kernel = &megakernel::moe_backward_kernel<CfgD, CfgX, decltype(tma_dout), decltype(tma_w2),
                                                  decltype(tma_dh), decltype(tma_dh_in),
-                                                 decltype(tma_w1), decltype(tma_dx)>;
+                                                 decltype(tma_w1), decltype(tma_dx),
+                                                 decltype(tma_h)>;
   megakernel::launch_cooperative(kernel, sms, CfgD::kThreads, CfgD::kSmemBytes, p, tma_dout,
-                                 tma_w2, tma_dh, tma_dh_halves, tma_dh_in, tma_w1, tma_dx);
+                                 tma_w2, tma_dh, tma_dh_halves, tma_dh_in, tma_w1, tma_dx, tma_h);
 }
 
 }  // namespace

@@ -180,14 +180,16 @@ __device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_
   }
 }
 
+// tma_h: h as (rows, I, 2) boxes, loaded through the ring for the fc2-dgrad tiles' SwiGLU
+// backward (core v5, as the standalone dgrad launch does).
 template <class CfgD, class CfgX, class TmaAD, class TmaBD, class TmaOD, class TmaAX, class TmaBX,
-          class TmaOX>
+          class TmaOX, class TmaH>
 __global__ void __launch_bounds__(CfgD::kThreads, 1)
 moe_backward_kernel(const __grid_constant__ BackwardParams p,
                     const __grid_constant__ TmaAD tma_dout, const __grid_constant__ TmaBD tma_w2,
                     const __grid_constant__ TmaOD tma_dh, const __grid_constant__ TmaOD tma_dh_halves,
                     const __grid_constant__ TmaAX tma_dh_in, const __grid_constant__ TmaBX tma_w1,
-                    const __grid_constant__ TmaOX tma_dx) {
+                    const __grid_constant__ TmaOX tma_dx, const __grid_constant__ TmaH tma_h) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace cute;
   using Storage = typename CfgD::SharedStorage;
@@ -212,6 +214,7 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
     prefetch_tma_descriptor(tma_dh_in.get_tma_descriptor());
     prefetch_tma_descriptor(tma_w1.get_tma_descriptor());
     prefetch_tma_descriptor(tma_dx.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_h.get_tma_descriptor());
     gemm::init_tile_barriers<CfgD>(smem, 1);
   }
   __syncthreads();
@@ -239,6 +242,7 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
           fence_proxy_async_global();
           gemm::load_task<CfgD>(smem, tma_dout, tma_w2, tma_w2, p.dgrad_shapes, task.tile, 0,
                                 ring);
+          gemm::load_h_chunks<CfgD>(smem, tma_h, p.dgrad, task.tile, ring);
         } else {  // fc1 dgrad: both halves of every d_h column tile of the row tile
           wait_counter(dh_counter(p, m), dh_target, p.dog, kWaitDhDone, m);
           fence_proxy_async_global();
@@ -267,13 +271,11 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
     for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
       const ForwardTask task =
           decode_pair_task(p.dgrad, p.dx, p.mb_tiles, t, used_tiles, k_dgrad, k_dx);
-      // As the standalone dgrad launch does: ask L2 for the tile's h before the mainloop.
-      if (!task.fc2) gemm::prefetch_h<CfgD>(p.dgrad, task.tile, ctid);
       gemm::mma_task<CfgD>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
                            task.tile.k_end, ring, es.wg_thread);
       if (!task.fc2) {
-        gemm::tile_epilogue<CfgD, true>(smem, es, p.dgrad, task.tile, accum, true, tma_dh,
-                                        tma_dh_halves);
+        gemm::tile_epilogue<CfgD>(smem, es, p.dgrad, task.tile, accum, true, tma_dh,
+                                  tma_dh_halves, gemm::HFromRing<CfgD, Storage>{smem, ring});
         if (es.wg_thread == 0) publish_tile(dh_counter(p, task.tile.m_tile));
       } else if (p.scatter) {  // EP > 1: dx rows into their owners' slots
         scatter_rows_epilogue<CfgX>(smem, es, p, p.dx, task.tile, accum, tma_dx, false);
