@@ -18,7 +18,7 @@
 #   PART=v5: core v5 (h through the ring for the SwiGLU backward): tests, GEMMs on both
 #     paths, layer backward. PART=v5c: v5 with st.shared epilogues: the suites, GEMMs,
 #     the layer on all shapes vs torch-unfused.
-#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2|next|v5|v5c \
+#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2|next|v5|v5c|sync \
 #     bash scripts/pending_gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,11 @@ layer_backward_both_ways() {
     grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
   done
 }
+if [ "$part" = sync ]; then
+  # Host syncs in the layer's passes, and back-to-back pass times with no sync between.
+  timeout 200 $PY -m benchmarks.host_sync --shapes "$shapes" 2>&1 | grep -v Warn | tee "$OUT/host_sync.log"
+  exit 0
+fi
 if [ "$part" = v5c ]; then
   # Core v5 with the epilogues' st.shared at 32-bit addresses (every epilogue, the
   # megakernels' too): the suites that run an epilogue, then the GEMMs alone and the layer
