@@ -93,11 +93,12 @@ TORCH_LIBRARY(megatron_mok, m) {
   // The backward megakernel, dgrad half (megakernel/backward.cuh): d_out = dy rows scaled
   // by their router weight, dots = <dy, y_rows> per row, d_h (fc2 dgrad + SwiGLU backward
   // from h) and dx_rows (fc1 dgrad) in one persistent launch. dy_local / topk_w_local at
-  // EP = 1, else the peers' arena; scatter: dx rows and dots into the owners' slots.
+  // EP = 1, else the peers' arena; scatter: dx rows and dots into the owners' slots (then
+  // dx_rows is not written and may be None).
   m.def("moe_backward(Tensor peer_base, int dy_offset, int w_offset, Tensor? dy_local, "
         "Tensor? topk_w_local, int topk, Tensor peer_rank, Tensor peer_token, Tensor peer_k, "
         "Tensor expert_offsets, Tensor num_rows, Tensor w1, Tensor w2, Tensor h, "
-        "Tensor y_rows, Tensor(a!) d_out, Tensor(b!) dots, Tensor(c!) d_h, Tensor(d!) dx_rows, "
+        "Tensor y_rows, Tensor(a!) d_out, Tensor(b!) dots, Tensor(c!) d_h, Tensor(d!)? dx_rows, "
         "Tensor(e!) counters, Tensor(f!) watchdog, int timeout_ms, int rank, "
         "int minibatch_rows, bool scatter, int slots_offset, int dtopk_offset, "
         "int hold_tile) -> ()");

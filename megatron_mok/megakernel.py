@@ -187,7 +187,7 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
     d_out = dy.new_empty(rows, hidden)
     dots = torch.empty(rows, dtype=torch.float32, device=dy.device)
     d_h = dy.new_empty(rows, 2 * inter)
-    dx_rows = dy.new_empty(rows, hidden)
+    dx_rows = dy.new_empty(rows, hidden) if local else None  # EP > 1: dx goes to the slots
     torch.ops.megatron_mok.moe_backward(
         arena.peer_base, arena.offset("dy"), arena.offset("topk_w"), dy if local else None,
         topk_w.float().contiguous() if local else None, ws.topk, sched.peer_rank,
@@ -195,7 +195,7 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
         y_rows, d_out, dots, d_h, dx_rows, ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
         minibatch_rows, not local, arena.offset("slots"), arena.offset("d_topk_w"), hold_tile)
-    return d_out, dots, d_h, (dx_rows if local else None)
+    return d_out, dots, d_h, dx_rows
 
 
 # Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first

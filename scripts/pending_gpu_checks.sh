@@ -35,6 +35,20 @@ layer_backward_both_ways() {
     grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
   done
 }
+if [ "$part" = folded ]; then
+  # Core v5 made the fused dgrad + SwiGLU bwd faster: the shared expert folded into the
+  # expert pass (bit-equal) against the separate torch shared expert, one call, alternating.
+  i=0
+  for mode in separate folded separate folded; do
+    i=$((i + 1))
+    MOK_SHARED_EXPERT=$mode timeout 120 $PY -m benchmarks.layer --shapes deepseek-v3,dsv4-pro \
+      --tokens 8192 --backends mok --iters 20 --out "$OUT/layer-$i-$mode" \
+      > "$OUT/layer-$i-$mode.log" 2>&1
+    echo "== $i MOK_SHARED_EXPERT=$mode"
+    grep -E "^\s*(deepseek|dsv4)" "$OUT/layer-$i-$mode.log"
+  done
+  exit 0
+fi
 if [ "$part" = sync ]; then
   # Host syncs in the layer's passes, and back-to-back pass times with no sync between.
   timeout 200 $PY -m benchmarks.host_sync --shapes "$shapes" 2>&1 | grep -v Warn | tee "$OUT/host_sync.log"

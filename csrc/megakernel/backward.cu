@@ -30,7 +30,8 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                   const at::Tensor& peer_k, const at::Tensor& offsets, const at::Tensor& num_rows,
                   const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& h,
                   const at::Tensor& y_rows, const at::Tensor& d_out, const at::Tensor& dots,
-                  const at::Tensor& d_h, const at::Tensor& dx_rows, const at::Tensor& counters,
+                  const at::Tensor& d_h, const std::optional<at::Tensor>& dx_rows_opt,
+                  const at::Tensor& counters,
                   const at::Tensor& watchdog, int64_t timeout_ms, int64_t rank,
                   int64_t minibatch_rows, bool scatter, int64_t slots_offset,
                   int64_t dtopk_offset, int64_t hold_tile) {
@@ -46,6 +47,11 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
   check_bf16_cuda(y_rows, "y_rows", 2);
   check_bf16_cuda(d_out, "d_out", 2);
   check_bf16_cuda(d_h, "d_h", 2);
+  // dx_rows: the fc1 dgrad rows at EP = 1; when scattering they go to the owners' slots and
+  // d_out (same shape) stands in for the unused TMA store view.
+  TORCH_CHECK(dx_rows_opt.has_value() || scatter,
+              "megatron_mok: dx_rows is required unless the dx rows are scattered (EP > 1)");
+  const at::Tensor& dx_rows = dx_rows_opt.has_value() ? *dx_rows_opt : d_out;
   check_bf16_cuda(dx_rows, "dx_rows", 2);
   const int64_t R = d_out.size(0), H = d_out.size(1), E = w1.size(0), I = w1.size(1) / 2;
   if (dy_local.has_value()) {
