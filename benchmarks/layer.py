@@ -745,6 +745,9 @@ def run_metadata(device: torch.device, args) -> dict:
         "git_commit": commit, "git_dirty": dirty,
         # The tree's commit when the copy that runs has stale git metadata (device runs).
         "source_commit": os.environ.get("MOK_SOURCE_COMMIT"),
+        # The MOK_* knobs set for the run (which kernel variants ran).
+        "mok_env": {k: v for k, v in sorted(os.environ.items())
+                    if k.startswith("MOK_") and k != "MOK_SOURCE_COMMIT"},
         "argv": sys.argv[1:], "warmup": args.warmup, "iters": args.iters,
         "flush_bytes": FLUSH_BYTES if device.type == "cuda" else 0,
         "check_tol": CHECK_TOL, "weight_std": WEIGHT_STD, "seed": args.seed,

@@ -35,6 +35,20 @@ layer_backward_both_ways() {
     grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
   done
 }
+if [ "$part" = v6 ]; then
+  # Core v6 (opt-in MOK_GEMM_PINGPONG=1): ping-pong consumers. Its tests, then the GEMMs
+  # alone on both kernels.
+  timeout 90 $PY -m pytest -q -ra -m gpu tests/test_grouped_gemm.py -k "pingpong or dgrad_swiglu_h" \
+    > "$OUT/test_pingpong.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_pingpong.log" | head -8
+  for pp in 1 0; do
+    MOK_GEMM_PINGPONG=$pp timeout 100 $PY -m benchmarks.gemm --shapes "$shapes" --iters 10 \
+      --warmup 3 --ops --out "$OUT/gemm-pp$pp" > "$OUT/gemm-pp$pp.log" 2>&1
+    echo "== MOK_GEMM_PINGPONG=$pp"
+    grep -E "^  (fc2|dgrad)" "$OUT/gemm-pp$pp.log"
+  done
+  exit 0
+fi
 if [ "$part" = folded ]; then
   # Core v5 made the fused dgrad + SwiGLU bwd faster: the shared expert folded into the
   # expert pass (bit-equal) against the separate torch shared expert, one call, alternating.

@@ -153,6 +153,48 @@ def test_dgrad_swiglu_h_through_ring_same_bits_as_global(routing, hidden, inter,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", DIMS + [(512, 1408)])
+def test_pingpong_kernel_matches_fp32_and_is_deterministic(routing, hidden, inter, monkeypatch):
+    """Core v6 (MOK_GEMM_PINGPONG=1): fc2, the fc1 dgrad and the fused fc2 dgrad + SwiGLU
+    backward on the ping-pong kernel (128 x 128 tiles, the two consumer warpgroups on
+    alternate tiles) against fp32 per-expert GEMMs, with column tails and ragged / empty
+    experts; and the same bits for any grid size (1, 3, 7 CTAs, all)."""
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", "1")
+    counts = COUNTS[routing]
+    offsets, num_rows, capacity, real = _row_table(counts)
+    E = len(counts)
+    act = _rows(capacity, inter, real, seed=51)
+    d_out = _rows(capacity, hidden, real, seed=52)
+    h = _rows(capacity, 2 * inter, real, seed=53, scale=2.0)
+    w1 = _weights(E, 2 * inter, hidden, seed=54)
+    w2 = _weights(E, hidden, inter, seed=55)
+    used = int(num_rows.item())
+
+    def run(max_ctas):
+        y = gg.rows_matmul(act, w2, offsets, num_rows, max_ctas=max_ctas)
+        d_h = gg.dgrad_swiglu(d_out, w2, h, offsets, num_rows, max_ctas=max_ctas)
+        dx = gg.rows_matmul(d_h, w1, offsets, num_rows, w_transposed=True, max_ctas=max_ctas)
+        return [t[:used] for t in (y, d_h, dx)]
+
+    y, d_h, dx = base = run(0)
+    gate, up = h.float().chunk(2, dim=-1)
+    for e, lo, hi in _segments(offsets):
+        if hi == lo:
+            continue
+        assert rel_l2(y[lo:hi].float(), act[lo:hi].float() @ w2[e].float().t()) < TOL, e
+        d_act = d_out[lo:hi].float() @ w2[e].float()
+        g, u = gate[lo:hi], up[lo:hi]
+        sig = torch.sigmoid(g)
+        ref = torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=-1)
+        assert rel_l2(d_h[lo:hi].float(), ref) < TOL, e
+        assert rel_l2(dx[lo:hi].float(), d_h[lo:hi].float() @ w1[e].float()) < TOL, e
+    for max_ctas in (1, 3, 7):
+        for a, b in zip(base, run(max_ctas)):
+            assert torch.equal(a, b), max_ctas
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gap, reverse", [(0, True), (320 * 8, False), (320 * 8, True)])
 def test_wgrad_accumulates_into_per_expert_buffers(gap, reverse):
     """main_grads that lie apart (a gap between experts, as a SequentialMLP's fc1 and fc2

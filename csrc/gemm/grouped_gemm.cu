@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "gemm/grouped_gemm.cuh"
+#include "gemm/pingpong.cuh"
 #include "gemm/host.cuh"
 
 namespace megatron_mok {
@@ -33,6 +34,12 @@ int cluster_size() {
   return env != nullptr && std::string(env) == "2" ? 2 : 1;
 }
 
+// MOK_GEMM_PINGPONG=1: fc2 / the dgrads on the ping-pong kernel (core v6, opt-in).
+bool pingpong() {
+  const char* env = std::getenv("MOK_GEMM_PINGPONG");
+  return env != nullptr && std::string(env) == "1";
+}
+
 // MOK_DGRAD_H=global: the dgrad + SwiGLU-backward epilogue reads h from global memory (the
 // core before v5); otherwise the producer loads it through the operand ring.
 bool h_through_ring() {
@@ -50,7 +57,7 @@ void with_cluster(F&& f) {
 // as (rows, I, 2) when stored, else the same view as out (unused).
 // h_in (kHRing): the SwiGLU pre-activations [rows, 2I] that the epilogue reads through the
 // operand ring.
-template <class Cfg, bool kReduce = false, bool kHRing = false>
+template <class Cfg, bool kReduce = false, bool kHRing = false, bool kPingPong = false>
 void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, int a_rows,
             int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
             int b_q, const OutView& out, const OutView& h, int64_t max_ctas,
@@ -80,9 +87,16 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
       return tma_a;  // unused
     }
   }();
-  auto kernel =
-      &gemm::grouped_gemm_kernel<Cfg, kHRing, decltype(tma_a), decltype(tma_b),
-                                 decltype(tma_b_mc), decltype(tma_o), decltype(tma_h_in)>;
+  auto kernel = [] {
+    if constexpr (kPingPong) {
+      return &gemm::grouped_gemm_pingpong_kernel<Cfg, kHRing, decltype(tma_a), decltype(tma_b),
+                                                 decltype(tma_b_mc), decltype(tma_o),
+                                                 decltype(tma_h_in)>;
+    } else {
+      return &gemm::grouped_gemm_kernel<Cfg, kHRing, decltype(tma_a), decltype(tma_b),
+                                        decltype(tma_b_mc), decltype(tma_o), decltype(tma_h_in)>;
+    }
+  }();
   static int max_clusters_per_device[64] = {0};  // per instantiation and device
   const int device = a.get_device();
   int& max_clusters = max_clusters_per_device[device];
@@ -166,6 +180,20 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   TORCH_CHECK(out.size(0) == R && out.size(1) == N, "megatron_mok: out must be [rows, N]");
   c10::cuda::CUDAGuard guard(a.device());
+  if (pingpong() && cluster_size() == 1) {
+    if (w_transposed) {
+      GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNNPing::BN);
+      launch<CfgRowsNNPing, false, false, true>(p, a, make_stride(K, _1{}), int(R), int(K), w,
+                                                make_stride(_1{}, N, K * N), int(N), int(K),
+                                                int(E), rows_view(out), rows_view(out), max_ctas);
+    } else {
+      GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNTPing::BN);
+      launch<CfgRowsNTPing, false, false, true>(p, a, make_stride(K, _1{}), int(R), int(K), w,
+                                                make_stride(K, _1{}, N * K), int(N), int(K),
+                                                int(E), rows_view(out), rows_view(out), max_ctas);
+    }
+    return;
+  }
   if (w_transposed) {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNN<1>::BN);
     with_cluster<CfgRowsNN>([&](auto cfg) {
@@ -200,6 +228,15 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
   // h through the operand ring (default), or read by the epilogue from global memory
   // (MOK_DGRAD_H=global, and always for clusters of 2): the same bits.
+  if (cluster_size() == 1 && h_through_ring() && pingpong()) {
+    GemmParams pp = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLUPing::BN);
+    pp.h_in = p.h_in;
+    launch<CfgDgradSwiGLUPing, false, true, true>(pp, d_out, make_stride(H, _1{}), int(R),
+                                                  int(H), w2, make_stride(_1{}, I, H * I), int(I),
+                                                  int(H), int(E), rows_view(d_h),
+                                                  halves_view(d_h), max_ctas, &h);
+    return;
+  }
   if (cluster_size() == 1 && h_through_ring()) {
     launch<CfgDgradSwiGLU<1>, false, true>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
                                            make_stride(_1{}, I, H * I), int(I), int(H), int(E),

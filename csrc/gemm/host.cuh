@@ -27,6 +27,12 @@ using CfgRowsNN = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi
 template <int C>
 using CfgDgradSwiGLU =
     gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd, __nv_bfloat16, C>;
+// Core v6 ping-pong (MOK_GEMM_PINGPONG=1): 128 x 128 tiles per consumer warpgroup,
+// 6 stages of 32 KB: fc2 / dgrad (store) and the fused dgrad + SwiGLU backward.
+using CfgRowsNTPing = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kStore, __nv_bfloat16, 1, 128, 6>;
+using CfgRowsNNPing = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kStore, __nv_bfloat16, 1, 128, 6>;
+using CfgDgradSwiGLUPing =
+    gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd, __nv_bfloat16, 1, 128, 6>;
 // out[e] = a[rows of e]^T @ b[rows of e] (weight gradients), bf16 or fp32 output.
 template <int C>
 using CfgWgradBf16 =

@@ -224,14 +224,17 @@ __device__ __forceinline__ void warpgroup_bar_sync(int id) {
 // Barriers of the operand ring and the task queue; one thread, before the CTA (cluster) syncs.
 // full_arrivals: arrivals that complete a stage besides its TMA bytes (1: the producer
 // thread; the megakernel's gathering producer warpgroup: all 128 of its threads).
+// stage_consumers (C = 1): the threads that read a stage, 256 (both consumer warpgroups
+// on one tile) or 128 (ping-pong: one warpgroup per tile).
 template <class Cfg, class Storage>
-__device__ __forceinline__ void init_tile_barriers(Storage& smem, int full_arrivals = 1) {
+__device__ __forceinline__ void init_tile_barriers(Storage& smem, int full_arrivals = 1,
+                                                   int stage_consumers = 256) {
   constexpr int C = Cfg::kCluster;
   for (int s = 0; s < Cfg::Stages; ++s) {
     cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], full_arrivals);
     // C = 1: every consumer thread arrives. C = 2: one thread per consumer warpgroup
     // per CTA of the cluster (a stage is refilled by both CTAs' multicast).
-    cutlass::arch::ClusterBarrier::init(&smem.empty[s], C == 1 ? 256 : 2 * C);
+    cutlass::arch::ClusterBarrier::init(&smem.empty[s], C == 1 ? stage_consumers : 2 * C);
   }
   for (int s = 0; s < 2; ++s) {
     cutlass::arch::ClusterBarrier::init(&smem.task_full[s], 1);
