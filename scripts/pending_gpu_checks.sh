@@ -36,7 +36,8 @@ layer_backward_both_ways() {
   done
 }
 if [ "$part" = v6 ]; then
-  # Core v6 (opt-in MOK_GEMM_PINGPONG=1): ping-pong consumers. Its tests, then the GEMMs
+  # Core v6 / v6.1 (opt-in MOK_GEMM_PINGPONG=1): ping-pong consumers (v6.1: mainloops in
+  # turn; built after the last GPU run, not yet run). Its tests, then the GEMMs
   # alone on both kernels.
   timeout 90 $PY -m pytest -q -ra -m gpu tests/test_grouped_gemm.py -k "pingpong or dgrad_swiglu_h" \
     > "$OUT/test_pingpong.log" 2>&1

@@ -55,6 +55,7 @@ struct TileStorage {
   alignas(8) uint64_t empty[Stages];
   alignas(8) uint64_t task_full[2];   // task queue: task ids, producer -> consumers
   alignas(8) uint64_t task_empty[2];
+  alignas(8) uint64_t mma_turn[2];    // ping-pong: warpgroup w may start its next mainloop
   int task_id[2];
   int producer_task;  // megakernel: a task id broadcast to the whole producer warpgroup
   int gather_token[128];  // megakernel direct mode: source token of each row of the task
