@@ -521,7 +521,7 @@ __device__ __forceinline__ void prefetch_h(const GemmParams& p, const Task& task
 // Where kSwiGLUBwd's epilogue reads h: load(rl, cl, r, c, g, u) gives the (gate, up) pairs
 // at tile row rl / chunk column cl, i.e. global row r / column c (zeros past N); one chunk
 // is read between begin_chunk() and end_chunk().
-// HFromGlobal: 4-byte loads straight from global memory (the backward megakernel).
+// HFromGlobal: 4-byte loads straight from global memory (MOK_DGRAD_H=global, clusters of 2).
 struct HFromGlobal {
   const GemmParams& p;
   __device__ __forceinline__ void begin_chunk() {}
@@ -566,8 +566,8 @@ struct HFromRing {
 
 // kSwiGLUBwd, chunk q of a thread's accumulators: for each value l of the chunk, its d_act
 // d (the accumulator), the matching h pair (gate g, up u; zeros past N) and sigmoid(g),
-// handed to fn(l, d, g, u, sig) with d by reference. N = I is a multiple of 8, so a pair starting below N is
-// whole.
+// handed to fn(l, d, g, u, sig) with d by reference. N = I is a multiple of 8, so a pair
+// starting below N is whole.
 template <class Cfg, class Acc, class HSrc, class Fn>
 __device__ __forceinline__ void swiglu_bwd_chunk(const EpilogueState& es, const Task& task,
                                                  Acc& accum, int m0, int q, const HSrc& hsrc,
