@@ -177,7 +177,11 @@ def test_pingpong_kernel_matches_fp32_and_is_deterministic(routing, hidden, inte
         dx = gg.rows_matmul(d_h, w1, offsets, num_rows, w_transposed=True, max_ctas=max_ctas)
         return [t[:used] for t in (y, d_h, dx)]
 
-    y, d_h, dx = base = run(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y, d_h, dx = base = run(0)
+        torch.cuda.synchronize()
+    kernels = [e.key for e in prof.key_averages()]
+    assert sum("grouped_gemm_pingpong_kernel" in k for k in kernels) == 3, kernels  # it ran
     gate, up = h.float().chunk(2, dim=-1)
     for e, lo, hi in _segments(offsets):
         if hi == lo:
