@@ -127,6 +127,8 @@ def test_dgrad_swiglu_h_through_ring_same_bits_as_global(routing, hidden, inter,
     producer filled by TMA (default) instead of from global memory (MOK_DGRAD_H=global).
     Same values, same arithmetic: the same bits, with column tails (I = 200, 1408: chunks
     past I are zero-filled), ragged and empty experts and any grid size."""
+    monkeypatch.setenv("MOK_GEMM_CLUSTER", "1")  # clusters of 2 always read h globally
+    monkeypatch.delenv("MOK_GEMM_PINGPONG", raising=False)
     counts = COUNTS[routing]
     offsets, num_rows, capacity, real = _row_table(counts)
     E = len(counts)
@@ -155,12 +157,19 @@ def test_dgrad_swiglu_h_through_ring_same_bits_as_global(routing, hidden, inter,
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", list(COUNTS))
 @pytest.mark.parametrize("hidden, inter", DIMS + [(512, 1408)])
-def test_pingpong_kernel_matches_fp32_and_is_deterministic(routing, hidden, inter, monkeypatch):
+@pytest.mark.parametrize("scheduler", ["counter", "static"])
+def test_pingpong_kernel_matches_fp32_and_is_deterministic(routing, hidden, inter, scheduler,
+                                                           monkeypatch):
     """Core v6 (MOK_GEMM_PINGPONG=1): fc2, the fc1 dgrad and the fused fc2 dgrad + SwiGLU
     backward on the ping-pong kernel (128 x 128 tiles, the two consumer warpgroups on
     alternate tiles) against fp32 per-expert GEMMs, with column tails and ragged / empty
     experts; and the same bits for any grid size (1, 3, 7 CTAs, all)."""
     monkeypatch.setenv("MOK_GEMM_PINGPONG", "1")
+    monkeypatch.setenv("MOK_GEMM_CLUSTER", "1")
+    monkeypatch.setenv("MOK_DGRAD_H", "ring")
+    # Static striding: the warpgroups step over each other's stages with no task queue
+    # keeping the producer ahead (the mainloop turn must).
+    monkeypatch.setenv("MOK_GEMM_SCHEDULER", scheduler)
     counts = COUNTS[routing]
     offsets, num_rows, capacity, real = _row_table(counts)
     E = len(counts)

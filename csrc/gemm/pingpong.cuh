@@ -167,7 +167,13 @@ grouped_gemm_pingpong_kernel(const __grid_constant__ GemmParams p,
     // The mainloops take turns (v6.1): a warpgroup starts a tile's WGMMAs only once the
     // other has issued and finished its previous tile's, so one's epilogue lines up with
     // the other's mainloop instead of the two drifting into step (v6 measured slower
-    // without this). Warpgroup 0's first tile does not wait.
+    // without this). Warpgroup 0's first tile does not wait. The turn is also what keeps
+    // the step-over safe: a full-barrier wait tells laps apart only by parity, so a
+    // warpgroup must not wait on a stage two laps ahead of the producer. After the turn
+    // the other warpgroup's K stages are all filled, and the stage's previous fill (6
+    // positions back, at most 2 h chunks in between) is done. v6 without the turn relied
+    // on the task queue for this, which the static scheduler does not give (review of
+    // 13c3e55).
     int turn_phase = 0, my_tiles = 0;
     for (int t = next_task(blockIdx.x); t < p.num_tasks; t = next_task(t + gridDim.x)) {
       const Task task = decode_task<Cfg>(p, t, 0);

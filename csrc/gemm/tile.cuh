@@ -544,10 +544,14 @@ template <class Cfg, class Storage>
 struct HFromRing {
   Storage& smem;
   RingPos& ring;
+  // The h reads are plain loads and CUTLASS's wait / arrive asm has no memory clobber:
+  // compiler fences keep the reads after the wait and before the arrive.
   __device__ __forceinline__ void begin_chunk() {
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+    compiler_fence();
   }
   __device__ __forceinline__ void end_chunk() {
+    compiler_fence();
     cutlass::arch::ClusterBarrier::arrive(&smem.empty[ring.stage]);
     ring.template advance<Cfg::Stages>();
   }
