@@ -53,6 +53,12 @@ def _segments(offsets):
     return [(e, o[e], o[e + 1]) for e in range(len(o) - 1)]
 
 
+def _swiglu_bwd_ref(d_act, g, u):
+    """fp32 d_h = [d_gate, d_up] of act = silu(g) * u."""
+    sig = torch.sigmoid(g)
+    return torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=-1)
+
+
 COUNTS = {
     "balanced": [256, 256, 256, 256],
     "ragged": [1, 0, 300, 129, 0, 77],       # empty experts, sub-tile and multi-tile segments
@@ -110,9 +116,7 @@ def test_backward_ops_match_fp32(routing, hidden, inter, cluster):
             assert torch.all(dw1[e] == 0) and torch.all(dw2[e] == 0)
             continue
         d_act = d_out[lo:hi].float() @ w2[e].float()
-        g, u = gate[lo:hi], up[lo:hi]
-        sig = torch.sigmoid(g)
-        d_h_ref = torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=-1)
+        d_h_ref = _swiglu_bwd_ref(d_act, gate[lo:hi], up[lo:hi])
         assert rel_l2(d_h[lo:hi].float(), d_h_ref) < TOL, e
         assert rel_l2(dx[lo:hi].float(), d_h[lo:hi].float() @ w1[e].float()) < TOL, e
         assert rel_l2(dw2[e].float(), d_out[lo:hi].float().t() @ act[lo:hi].float()) < TOL, e
@@ -148,9 +152,7 @@ def test_dgrad_swiglu_h_through_ring_same_bits_as_global(routing, hidden, inter,
         if hi == lo:
             continue
         d_act = d_out[lo:hi].float() @ w2[e].float()
-        g, u = gate[lo:hi], up[lo:hi]
-        sig = torch.sigmoid(g)
-        ref = torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=-1)
+        ref = _swiglu_bwd_ref(d_act, gate[lo:hi], up[lo:hi])
         assert rel_l2(d_h_ring[lo:hi].float(), ref) < TOL, e
 
 
@@ -197,9 +199,7 @@ def test_pingpong_kernel_matches_fp32_and_is_deterministic(routing, hidden, inte
             continue
         assert rel_l2(y[lo:hi].float(), act[lo:hi].float() @ w2[e].float().t()) < TOL, e
         d_act = d_out[lo:hi].float() @ w2[e].float()
-        g, u = gate[lo:hi], up[lo:hi]
-        sig = torch.sigmoid(g)
-        ref = torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=-1)
+        ref = _swiglu_bwd_ref(d_act, gate[lo:hi], up[lo:hi])
         assert rel_l2(d_h[lo:hi].float(), ref) < TOL, e
         assert rel_l2(dx[lo:hi].float(), d_h[lo:hi].float() @ w1[e].float()) < TOL, e
     for max_ctas in (1, 3, 7):

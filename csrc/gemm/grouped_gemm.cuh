@@ -57,23 +57,8 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     // ---------------- producer: one thread feeds the ring ----------------
     cutlass::arch::warpgroup_reg_dealloc<56>();
     if (threadIdx.x == 0) {
-      // The next task: t_static, or the counter's next value, published to the consumers
-      // (a value past the last task tells them to stop).
-      auto next_task = [&](int t_static) {
-        if (!counter) return t_static;
-        const int t = atomicAdd(p.task_counter, 1);
-        queue.push(t);
-        return t;
-      };
-      RingPos ring;
-      for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
-        const Task task = decode_task<Cfg>(p, t, rank);
-        if (task.skip || task.k_begin >= task.k_end) continue;
-        load_task<Cfg>(smem, tma_a, tma_b, tma_b_mc, shapes, task, rank, ring);
-        // The consumers read these in the task's epilogue: for C = 1 a task loaded here is
-        // a task they store (kRows: K > 0, and store = !skip).
-        if constexpr (kHRing) load_h_chunks<Cfg>(smem, tma_h_in, p, task, ring);
-      }
+      produce_tasks<Cfg, kHRing>(smem, queue, p, counter, cluster, num_clusters, rank, tma_a,
+                                 tma_b, tma_b_mc, tma_h_in, shapes);
     }
   } else {
     // ---------------- consumers: WGMMA + epilogue ----------------

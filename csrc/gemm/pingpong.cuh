@@ -128,22 +128,11 @@ grouped_gemm_pingpong_kernel(const __grid_constant__ GemmParams p,
   TaskQueue<Storage> queue{smem};
 
   if (warpgroup == 0) {
-    // ---------------- producer: the cooperative kernel's ----------------
+    // ---------------- producer: the cooperative kernel's (produce_tasks) ----------------
     cutlass::arch::warpgroup_reg_dealloc<56>();
     if (threadIdx.x == 0) {
-      auto next_task = [&](int t_static) {
-        if (!counter) return t_static;
-        const int t = atomicAdd(p.task_counter, 1);
-        queue.push(t);
-        return t;
-      };
-      RingPos ring;
-      for (int t = next_task(blockIdx.x); t < p.num_tasks; t = next_task(t + gridDim.x)) {
-        const Task task = decode_task<Cfg>(p, t, 0);
-        if (task.skip || task.k_begin >= task.k_end) continue;
-        load_task<Cfg>(smem, tma_a, tma_b, tma_b, shapes, task, 0, ring);
-        if constexpr (kHRing) load_h_chunks<Cfg>(smem, tma_h_in, p, task, ring);
-      }
+      produce_tasks<Cfg, kHRing>(smem, queue, p, counter, blockIdx.x, gridDim.x, 0, tma_a,
+                                 tma_b, tma_b, tma_h_in, shapes);
     }
   } else {
     // ---------------- consumers: alternate tiles ----------------

@@ -371,6 +371,35 @@ __device__ __forceinline__ void load_h_chunks(Storage& smem, const TmaH& tma_h_i
   }
 }
 
+// The producer thread of the standalone kernels (cooperative and ping-pong): takes tasks
+// (static striding from `first` by `stride`, or the global counter, each id published to
+// the consumers through the queue; an id past the last task tells them to stop) and loads
+// every task with work into the ring: its K stages, then (kHRing) its h chunks.
+template <class Cfg, bool kHRing, class Storage, class TmaA, class TmaB, class TmaBmc,
+          class TmaHIn>
+__device__ __forceinline__ void produce_tasks(Storage& smem, TaskQueue<Storage>& queue,
+                                              const GemmParams& p, bool counter, int first,
+                                              int stride, int rank, const TmaA& tma_a,
+                                              const TmaB& tma_b, const TmaBmc& tma_b_mc,
+                                              const TmaHIn& tma_h_in,
+                                              const OperandShapes& shapes) {
+  auto next_task = [&](int t_static) {
+    if (!counter) return t_static;
+    const int t = atomicAdd(p.task_counter, 1);
+    queue.push(t);
+    return t;
+  };
+  RingPos ring;
+  for (int t = next_task(first); t < p.num_tasks; t = next_task(t + stride)) {
+    const Task task = decode_task<Cfg>(p, t, rank);
+    if (task.skip || task.k_begin >= task.k_end) continue;
+    load_task<Cfg>(smem, tma_a, tma_b, tma_b_mc, shapes, task, rank, ring);
+    // The consumers read these in the task's epilogue: for C = 1 a task loaded here is a
+    // task they store (kRows: K > 0, and store = !skip).
+    if constexpr (kHRing) load_h_chunks<Cfg>(smem, tma_h_in, p, task, ring);
+  }
+}
+
 // Consumer warpgroup: the WGMMAs of K tiles [k_begin, k_end) into accum, each stage handed
 // back to the producer as soon as the WGMMAs reading it are done. Stages written through
 // the generic proxy (cp.async gathers) must be fenced by their writers before the full
