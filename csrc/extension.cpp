@@ -101,7 +101,9 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor y_rows, Tensor(a!) d_out, Tensor(b!) dots, Tensor(c!) d_h, Tensor(d!)? dx_rows, "
         "Tensor(e!) counters, Tensor(f!) watchdog, int timeout_ms, int rank, "
         "int minibatch_rows, bool scatter, int slots_offset, int dtopk_offset, "
-        "int hold_tile) -> ()");
+        "int hold_tile, Tensor? act=None, Tensor? x_rows=None, Tensor(g!)? dw2=None, "
+        "Tensor(h!)? dw1=None, bool accumulate=False, bool reverse2=False, "
+        "bool reverse1=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

@@ -244,33 +244,45 @@ def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
                   w2: torch.Tensor, dy: torch.Tensor, *, plans: Optional[list] = None,
                   warmup: int = 2, iters: int = 5, save: bool = True
                   ) -> tuple[BackwardPlan, dict]:
-    """Time the dgrad half of the backward (what the plans change: pull dy scaled + dots,
-    fc2 dgrad + SwiGLU backward, fc1 dgrad; the wgrads and the combine are the same) for
-    every candidate at EP = 1 after one forward that keeps its context; return (fastest,
-    {plan: ms}), stored in the cache with `save`."""
+    """Time what the plans change in the backward (pull dy scaled + dots, fc2 dgrad +
+    SwiGLU backward, fc1 dgrad and the bf16 weight gradients: inside the megakernel unless
+    MOK_BACKWARD_WGRAD=launches, else the core's wgrad launches; the combine is the same)
+    for every candidate at EP = 1 after one forward that keeps its context; return
+    (fastest, {plan: ms}), stored in the cache with `save`."""
     from megatron_mok import kernel_backend, ops
     if ws.arena is None or ws.ep_size != 1:
         raise ValueError("megatron_mok: backward autotune needs a kernel-backend workspace "
                          "at EP = 1")
     _, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, None, None, True)
+    if saved.x_rows is None:  # the direct megakernel gathered x on the fly
+        saved.x_rows = kernel_backend._gather_rows(saved.x, sched)
     plans = plans or backward_candidates()
     if not megakernel.backward_runnable(ws, dy.dtype, saved.route_row is not None):
         plans = [p for p in plans if p.path == "launches"]
     core, offs = kernel_backend.gemm_core(), sched.expert_offsets[1:]
     arena = ws.arena
 
+    def wgrads(d_out, d_h):
+        kernel_backend._weight_grad(core, d_out, saved.act, sched, saved.w2, None)
+        kernel_backend._weight_grad(core, d_h, saved.x_rows, sched, saved.w1, None)
+
     def run(plan):
         if plan.path == "megakernel":
-            return megakernel.moe_backward(ws, sched, dy, saved.topk_w, saved.w1, saved.w2,
-                                           saved.h, saved.y_rows,
-                                           minibatch_rows=plan.minibatch_rows)
+            targets = kernel_backend._fused_wgrad_targets(saved, None, None)
+            d_out, _, d_h, _ = megakernel.moe_backward(
+                ws, sched, dy, saved.topk_w, saved.w1, saved.w2, saved.h, saved.y_rows,
+                minibatch_rows=plan.minibatch_rows, wgrad=targets)
+            if targets is None:
+                wgrads(d_out, d_h)
+            return
         arena.view("dy").copy_(dy)
         arena.view("topk_w").copy_(saved.topk_w)
         d_out = dy.new_empty(ws.capacity, dy.shape[1])
         dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
         ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, d_out,
                       w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
-        return kernel_backend._dgrad_launches(core, sched, saved, d_out, offs)
+        d_h, _ = kernel_backend._dgrad_launches(core, sched, saved, d_out, offs)
+        wgrads(d_out, d_h)
 
     timings = {}
     for plan in plans:

@@ -13,8 +13,9 @@ their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->
 SwiGLU backward -> fc1 dgrad -> push dx rows and d_topk_w into the owners' slots ->
 weight gradients (one grouped GEMM per weight, tokens as K in row-table order) ->
 barrier -> dx = shared dx + sum_k slots in fp32. With MOK_BACKWARD=megakernel (opt-in,
-not yet measured) the steps from pull to the dx rows run as one launch, the backward
-megakernel's dgrad half (megatron_mok.megakernel.moe_backward).
+or an autotuned plan) the steps from pull to the weight gradients run as one launch, the
+backward megakernel (megatron_mok.megakernel.moe_backward; MOK_BACKWARD_WGRAD=launches
+leaves the weight gradients to the core's launches).
 
 At EP = 1 (MOK_EP1_COMBINE=rows, the default; `slots` restores the pushes) there are
 no pushes: both combines read the expert rows in place through route_rows
@@ -261,6 +262,38 @@ def _weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule
     return acc.finish(weight)
 
 
+BACKWARD_WGRAD_PATHS = ("fused", "launches")
+
+
+def backward_wgrad_path() -> str:
+    """Where the backward megakernel leaves the weight gradients (MOK_BACKWARD_WGRAD):
+    "fused" (default): its phase 2, in the same launch; "launches": the core's wgrad
+    launches after it, as the launch chain does."""
+    path = os.environ.get("MOK_BACKWARD_WGRAD", "fused")
+    if path not in BACKWARD_WGRAD_PATHS:
+        raise ValueError(f"megatron_mok: MOK_BACKWARD_WGRAD must be one of "
+                         f"{BACKWARD_WGRAD_PATHS}, got {path!r}")
+    return path
+
+
+def _fused_wgrad_targets(saved: KernelSaved, acc1, acc2):
+    """The backward megakernel's phase-2 targets, or None where the weight gradients stay
+    launches: MOK_BACKWARD_WGRAD=launches, or accumulators whose buffers are not one run
+    of equally spaced planes each (those take an fp32 gradient and a separate add)."""
+    if backward_wgrad_path() != "fused":
+        return None
+    if acc1 is None and acc2 is None:
+        experts, two_inter, hidden = saved.w1.shape
+        return megakernel.WgradTargets(
+            saved.act, saved.x_rows, saved.w2.new_empty(experts, hidden, two_inter // 2),
+            saved.w1.new_empty(experts, two_inter, hidden))
+    if acc1 is None or acc2 is None or acc1.fused_target is None or acc2.fused_target is None:
+        return None
+    (planes1, reverse1), (planes2, reverse2) = acc1.fused_target, acc2.fused_target
+    return megakernel.WgradTargets(saved.act, saved.x_rows, planes2, planes1, accumulate=True,
+                                   reverse2=reverse2, reverse1=reverse1)
+
+
 def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,
              accumulators=None):
     """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2). accumulators: (w1's, w2's)
@@ -270,9 +303,9 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     num_tokens, hidden = dy.shape
     core = gemm_core()
     # The backward megakernel (MOK_BACKWARD, else an autotuned plan): pull, fc2 dgrad +
-    # SwiGLU backward and fc1 dgrad in one launch; at EP = 1 it reads dy itself (nothing is
-    # published), at EP > 1 it pulls from the peers' arenas and writes the owners' slots
-    # (no push launch).
+    # SwiGLU backward, fc1 dgrad and (MOK_BACKWARD_WGRAD=fused, the default) the weight
+    # gradients in one launch; at EP = 1 it reads dy itself (nothing is published), at
+    # EP > 1 it pulls from the peers' arenas and writes the owners' slots (no push launch).
     plan = autotune.backward_plan(ws, saved.w1.shape[1] // 2, saved.config, dy.dtype,
                                   saved.route_row is not None)
     fused = core == "mok" and plan.path == "megakernel"
@@ -284,24 +317,31 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
     arena.barrier()
     offs = sched.expert_offsets[1:]
+    if saved.x_rows is None:  # the direct megakernel gathered x on the fly
+        saved.x_rows = _gather_rows(saved.x, sched)
+    wgrad = _fused_wgrad_targets(saved, acc1, acc2) if fused else None
     if fused:
         d_out, dots, d_h, dx_rows = megakernel.moe_backward(
             ws, sched, dy.contiguous(), saved.topk_w, saved.w1.contiguous(),
-            saved.w2.contiguous(), saved.h, saved.y_rows, minibatch_rows=plan.minibatch_rows)
+            saved.w2.contiguous(), saved.h, saved.y_rows, minibatch_rows=plan.minibatch_rows,
+            wgrad=wgrad)
     else:
         d_out = dy.new_empty(ws.capacity, hidden)
         dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
         ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out,
                       w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
-    if saved.x_rows is None:  # the direct megakernel gathered x on the fly
-        saved.x_rows = _gather_rows(saved.x, sched)
     if not fused:
         d_h, dx_rows = _dgrad_launches(core, sched, saved, d_out, offs)
     if saved.route_row is None and not fused:  # the megakernel wrote the slots itself
         ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk,
                       scalars=dots, scalar_offset=arena.offset("d_topk_w"))
-    dw2 = _weight_grad(core, d_out, saved.act, sched, saved.w2, acc2)
-    dw1 = _weight_grad(core, d_h, saved.x_rows, sched, saved.w1, acc1)
+    if wgrad is None:
+        dw2 = _weight_grad(core, d_out, saved.act, sched, saved.w2, acc2)
+        dw1 = _weight_grad(core, d_h, saved.x_rows, sched, saved.w1, acc1)
+    elif wgrad.accumulate:  # phase 2 added them into the main_grads
+        dw2, dw1 = acc2.finish(saved.w2), acc1.finish(saved.w1)
+    else:
+        dw2, dw1 = wgrad.dw2, wgrad.dw1
     arena.barrier()
     routed = saved.topk_idx >= 0
     ones = routed.to(torch.float32)

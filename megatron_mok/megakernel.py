@@ -6,7 +6,8 @@ idle producer warps of every CTA) and finished expert rows go to their owners' (
 slots (pushed by the comm CTAs, or stored by fc2's epilogue), or stay in place for the
 EP = 1 combine; compute CTAs run the grouped-GEMM core's fc1 and fc2 tiles in a fixed
 topological order, waiting on per-tile readiness counters. The combine epilogue (and the
-EP barrier before it) stays a separate launch.
+EP barrier before it) stays a separate launch. The backward megakernel (moe_backward)
+runs the data gradients the same way and, optionally, the weight gradients after them.
 
 Spread mode is the EP = 1 default (autotune.forward_plan; measured 1.05-1.17x faster than
 the launch chain on 5 of 6 shapes: docs/megakernel.md, "Measured"). MOK_FORWARD selects
@@ -16,6 +17,7 @@ a path explicitly, and a cached autotune plan overrides the default.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -156,15 +158,54 @@ def backward_runnable(ws, dtype: torch.dtype, in_place: bool) -> bool:
     return backward_available() and dtype == torch.bfloat16 and in_place == (ws.ep_size == 1)
 
 
+@dataclass
+class WgradTargets:
+    """The backward megakernel's phase 2: dw2 [E, H, I] = d_out^T act and dw1 [E, 2I, H] =
+    d_h^T x_rows per expert (tokens in row-table order), bf16 outputs written, or fp32
+    planes (Megatron's main_grad: dense [M, N] planes, 16-byte aligned apart) added into
+    with `accumulate`; reverse2 / reverse1: expert e's into plane E - 1 - e."""
+    act: torch.Tensor
+    x_rows: torch.Tensor
+    dw2: torch.Tensor
+    dw1: torch.Tensor
+    accumulate: bool = False
+    reverse2: bool = False
+    reverse1: bool = False
+
+    def check(self, rows: int, hidden: int, inter: int, experts: int) -> None:
+        if (self.reverse2 or self.reverse1) and not self.accumulate:
+            raise ValueError("megatron_mok: reversed planes need accumulate (main_grad)")
+        for name, t, shape in (("act", self.act, (rows, inter)),
+                               ("x_rows", self.x_rows, (rows, hidden))):
+            if t.dtype != torch.bfloat16 or not t.is_cuda or not t.is_contiguous() \
+                    or tuple(t.shape) != shape:
+                raise ValueError(f"megatron_mok: {name} must be a contiguous CUDA bfloat16 "
+                                 f"{list(shape)} tensor, got {t.dtype} {list(t.shape)}")
+        dtype = torch.float32 if self.accumulate else torch.bfloat16
+        for name, t, shape in (("dw2", self.dw2, (experts, hidden, inter)),
+                               ("dw1", self.dw1, (experts, 2 * inter, hidden))):
+            if t.dtype != dtype or not t.is_cuda or tuple(t.shape) != shape \
+                    or not grouped_gemm.planes_accumulable(t):
+                raise ValueError(f"megatron_mok: {name} must be a CUDA {dtype} {list(shape)} "
+                                 f"tensor of dense 16-byte aligned planes, got {t.dtype} "
+                                 f"{list(t.shape)}")
+
+    def op_args(self) -> tuple:
+        return (self.act, self.x_rows, self.dw2, self.dw1, self.accumulate, self.reverse2,
+                self.reverse1)
+
+
 def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
                  w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, y_rows: torch.Tensor, *,
                  minibatch_rows: int, hold_tile: int = -1,
-                 timeout_ms: Optional[int] = None):
+                 timeout_ms: Optional[int] = None, wgrad: Optional["WgradTargets"] = None):
     """(d_out, dots, d_h, dx_rows) of the routed experts' data gradients in one persistent
     launch (csrc/megakernel/backward.cuh), bitwise those of the launch chain: d_out = dy
     rows scaled by their router weight (pull_rows), dots = <dy, y_row> per row, d_h = fc2
-    dgrad with the SwiGLU backward (from the saved h), dx_rows = fc1 dgrad; the weight
-    gradients stay the core's wgrad launches.
+    dgrad with the SwiGLU backward (from the saved h), dx_rows = fc1 dgrad. With `wgrad`
+    the same launch then computes the weight gradients into wgrad.dw2 / wgrad.dw1 (phase 2:
+    the bits of grouped_gemm.wgrad on d_out, act and d_h, x_rows), else they are left to
+    the core's wgrad launches.
 
     EP = 1: reads dy and topk_w directly; the combine reads dx_rows in place
     (ops.combine_rows) and d_topk_w from dots. EP > 1: every rank has published its dy and
@@ -183,6 +224,8 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
     if h.shape != (rows, 2 * inter) or y_rows.shape != (rows, hidden):
         raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}] and y_rows "
                          f"[{rows}, {hidden}], got {tuple(h.shape)} and {tuple(y_rows.shape)}")
+    if wgrad is not None:
+        wgrad.check(rows, hidden, inter, w1.shape[0])
     arena, local = ws.arena, ws.ep_size == 1
     d_out = dy.new_empty(rows, hidden)
     dots = torch.empty(rows, dtype=torch.float32, device=dy.device)
@@ -194,7 +237,8 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
         sched.peer_token, sched.peer_k, sched.expert_offsets, sched.num_rows, w1, w2, h,
         y_rows, d_out, dots, d_h, dx_rows, ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
-        minibatch_rows, not local, arena.offset("slots"), arena.offset("d_topk_w"), hold_tile)
+        minibatch_rows, not local, arena.offset("slots"), arena.offset("d_topk_w"), hold_tile,
+        *(wgrad.op_args() if wgrad is not None else ()))
     return d_out, dots, d_h, dx_rows
 
 

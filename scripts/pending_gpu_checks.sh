@@ -18,7 +18,9 @@
 #   PART=v5: core v5 (h through the ring for the SwiGLU backward): tests, GEMMs on both
 #     paths, layer backward. PART=v5c: v5 with st.shared epilogues: the suites, GEMMs,
 #     the layer on all shapes vs torch-unfused.
-#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2|next|v5|v5c|sync \
+#   PART=wgrad: the backward megakernel with the weight gradients inside (phase 2): tests,
+#     layer backward three ways. PART=v6ncu: ncu of core v6's 128 x 128 mainloop.
+#   SHAPES=qwen3-30b-a3b,deepseek-v3 PART=tests|suites|bench|bench2|next|v5|v5c|sync|wgrad \
 #     bash scripts/pending_gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +37,37 @@ layer_backward_both_ways() {
     grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd.log" | head -8
   done
 }
+if [ "$part" = wgrad ]; then
+  # The backward megakernel's phase 2 (weight gradients in the same launch): its tests,
+  # then the layer backward on the chain, the megakernel with the wgrads inside (default)
+  # and the megakernel with the wgrad launches after it.
+  timeout 150 $PY -m pytest -q -ra tests/test_backward_megakernel.py \
+    > "$OUT/test_backward_megakernel.log" 2>&1
+  grep -E "^FAILED|^E .*(assert|Error)|passed|failed" "$OUT/test_backward_megakernel.log" | head -12
+  for run in launches:fused megakernel:fused megakernel:launches; do
+    bwd=${run%%:*} wg=${run##*:}
+    MOK_BACKWARD=$bwd MOK_BACKWARD_WGRAD=$wg timeout 150 $PY -m benchmarks.layer \
+      --shapes "$shapes" --tokens 8192 --backends mok --pass bwd --iters 20 \
+      --out "$OUT/layer-bwd-$bwd-$wg" > "$OUT/layer-bwd-$bwd-$wg.log" 2>&1
+    echo "== MOK_BACKWARD=$bwd MOK_BACKWARD_WGRAD=$wg"
+    grep -E "^\s*(qwen|deepseek|dsv4|gpt|mixtral)" "$OUT/layer-bwd-$bwd-$wg.log" | head -8
+  done
+  exit 0
+fi
+if [ "$part" = v6ncu ]; then
+  # Why core v6's 128 x 128 mainloop is slower: ncu metrics of the plain fc1 dgrad (long K,
+  # short epilogue) on the ping-pong and the cooperative kernels.
+  for pp in 1 0; do
+    MOK_GEMM_PINGPONG=$pp timeout 120 ncu --profile-from-start off --launch-count 1 \
+      -k "regex:grouped_gemm_(pingpong_)?kernel" --metrics \
+      "regex:sm__pipe_tensor.*cycles_active.avg.pct_of_peak_sustained_(active|elapsed),lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum.per_second,l1tex__m_xbar2l1tex_read_bytes.sum.per_second,lts__t_sectors.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum,regex:smsp__average_warps_issue_stalled_(barrier|long_scoreboard|wait|sleeping|math_pipe_throttle|dispatch_stall|membar)_per_issue_active.ratio" \
+      $PY -m benchmarks.profile_core --shape "${SHAPE:-deepseek-v3}" --op dgrad_fc1 --iters 2 \
+      > "$OUT/ncu_pp${pp}_dgrad_fc1.txt" 2>&1
+    echo "== MOK_GEMM_PINGPONG=$pp"
+    grep -E "pipe_tensor|bytes|sectors|duration|stalled" "$OUT/ncu_pp${pp}_dgrad_fc1.txt" | head -20
+  done
+  exit 0
+fi
 if [ "$part" = v6 ]; then
   # Core v6 / v6.1 (opt-in MOK_GEMM_PINGPONG=1): ping-pong consumers (v6.1: mainloops in
   # turn; built after the last GPU run, not yet run). Its tests, then the GEMMs

@@ -1,8 +1,9 @@
-"""Backward megakernel, dgrad half (pull dy scaled -> fc2 dgrad + SwiGLU backward -> fc1
-dgrad in one launch, EP = 1; MOK_BACKWARD=megakernel) on the GPU: its outputs are the bits
-of the launch chain's pull_rows + dgrad_swiglu + rows_matmul, a whole training step's
-gradients are the chain's and within tolerance of the reference, and they do not depend
-on the minibatch or the run; a row that is never pulled becomes a watchdog error."""
+"""Backward megakernel (pull dy scaled -> fc2 dgrad + SwiGLU backward -> fc1 dgrad ->
+weight gradients in one launch, EP = 1; MOK_BACKWARD=megakernel) on the GPU: its outputs
+are the bits of the launch chain's pull_rows + dgrad_swiglu + rows_matmul + wgrad (also
+added into main_grad planes), a whole training step's gradients are the chain's and within
+tolerance of the reference, and they do not depend on the minibatch or the run; a row
+that is never pulled becomes a watchdog error."""
 
 import os
 import subprocess
@@ -34,11 +35,11 @@ def _inputs(hidden=2048, inter=768, experts=16, topk=8, tokens=700, seed=0, shar
                            drop_fraction=0.05, device="cuda")
 
 
-def _training_step(inputs, dy, config=KERNEL):
+def _training_step(inputs, dy, config=KERNEL, **kw):
     """y and the gradients of every floating-point input of one forward + backward."""
     leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
               for k, v in inputs.items()}
-    y = mok.fused_moe(**leaves, config=config)
+    y = mok.fused_moe(**leaves, config=config, **kw)
     y.backward(dy)
     names = [k for k in ("x", "topk_w", "w1", "w2", "shared_w1", "shared_w2") if k in leaves
              and leaves[k] is not None]
@@ -86,7 +87,111 @@ def test_outputs_are_the_launch_chains_bits(shape):
     assert torch.isfinite(dx[:rows].float()).all()
 
 
-def test_training_step_is_the_chains_and_near_the_reference(monkeypatch):
+def _fp32_wgrad(a, b, offsets):
+    """dw[e] = a[rows of e]^T @ b[rows of e] in fp32 (the independent reference)."""
+    bounds = offsets.tolist()
+    return torch.stack([a[lo:hi].float().t() @ b[lo:hi].float()
+                        for lo, hi in zip(bounds[:-1], bounds[1:])])
+
+
+def _planes_apart(experts, m, n, gap, gen):
+    """fp32 [E, m, n] planes `gap` elements apart in one buffer (random start values), as
+    Megatron's grad buffer may lay out per-expert main_grads."""
+    flat = torch.randn(experts * (m * n + gap) + 64, device="cuda", generator=gen)
+    planes = flat[16:16 + experts * (m * n + gap)].as_strided((experts, m, n),
+                                                               (m * n + gap, n, 1))
+    return flat, planes
+
+
+@pytest.mark.parametrize("mode", ["bf16", "main_grad", "main_grad_reversed"])
+@pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (1032, 520, 8, 4), (136, 72, 4, 2)])
+def test_weight_gradient_phase_is_the_wgrad_launches_bits(shape, mode):
+    """Phase 2 (MOK_BACKWARD_WGRAD=fused): dw2 = d_out^T act and dw1 = d_h^T x_rows per
+    expert, bf16 or added into fp32 planes lying apart (reversed as in Megatron's buffer),
+    are the bits of grouped_gemm.wgrad on the same operands and near an fp32 reference; an
+    expert without rows gets zeros (adds nothing)."""
+    hidden, inter, experts, topk = shape
+    inputs = _inputs(hidden, inter, experts, topk, seed=4)
+    inputs["topk_idx"][inputs["topk_idx"] == 1] = -1  # expert 1 gets no rows
+    ws = mok.get_workspace(KERNEL, None, device="cuda", num_local_tokens=700,
+                           hidden_size=hidden, topk=topk, num_local_experts=experts)
+    sched = mok.build_schedule(ws, KERNEL, inputs["topk_idx"])
+    cap, offsets = ws.capacity, sched.expert_offsets
+    assert offsets[1] == offsets[2]
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    dy = torch.randn(700, hidden, device="cuda", generator=gen).bfloat16()
+    h = torch.randn(cap, 2 * inter, device="cuda", generator=gen).bfloat16()
+    y_rows = torch.randn(cap, hidden, device="cuda", generator=gen).bfloat16()
+    act = torch.randn(cap, inter, device="cuda", generator=gen).bfloat16()
+    x_rows = torch.randn(cap, hidden, device="cuda", generator=gen).bfloat16()
+    w1, w2 = inputs["w1"].contiguous(), inputs["w2"].contiguous()
+    topk_w = inputs["topk_w"].float().contiguous()
+    accumulate, reverse = mode != "bf16", mode == "main_grad_reversed"
+    if accumulate:
+        _, dw2 = _planes_apart(experts, hidden, inter, 8, gen)
+        _, dw1 = _planes_apart(experts, 2 * inter, hidden, 4, gen)
+    else:
+        dw2 = torch.full((experts, hidden, inter), float("nan"), device="cuda").bfloat16()
+        dw1 = torch.full((experts, 2 * inter, hidden), float("nan"), device="cuda").bfloat16()
+    start2, start1 = dw2.clone(), dw1.clone()
+    targets = megakernel.WgradTargets(act, x_rows, dw2, dw1, accumulate=accumulate,
+                                      reverse2=reverse, reverse1=reverse)
+    d_out, dots, d_h, dx = megakernel.moe_backward(ws, sched, dy, topk_w, w1, w2, h, y_rows,
+                                                   minibatch_rows=256, wgrad=targets)
+    # The chain's wgrad launches on the megakernel's own d_out and d_h (themselves the
+    # chain's bits: test_outputs_are_the_launch_chains_bits).
+    if accumulate:
+        ref2, ref1 = start2.clone(), start1.clone()
+        grouped_gemm.wgrad(d_out, act, offsets, accumulate_into=ref2, reverse_experts=reverse)
+        grouped_gemm.wgrad(d_h, x_rows, offsets, accumulate_into=ref1, reverse_experts=reverse)
+    else:
+        ref2 = grouped_gemm.wgrad(d_out, act, offsets)
+        ref1 = grouped_gemm.wgrad(d_h, x_rows, offsets)
+    torch.cuda.synchronize()
+    assert torch.equal(dw2, ref2) and torch.equal(dw1, ref1)
+    order = torch.arange(experts - 1, -1, -1) if reverse else torch.arange(experts)
+    added2 = (dw2.float() - (start2.float() if accumulate else 0))[order]
+    added1 = (dw1.float() - (start1.float() if accumulate else 0))[order]
+    assert rel_l2(added2, _fp32_wgrad(d_out, act, offsets)) < 1e-2
+    assert rel_l2(added1, _fp32_wgrad(d_h, x_rows, offsets)) < 1e-2
+    assert torch.count_nonzero(added2[1]) == 0 and torch.count_nonzero(added1[1]) == 0
+
+
+@pytest.mark.parametrize("layout", ["stacked", "te", "sequential", "uneven"])
+def test_main_grad_through_the_megakernel_is_the_chains(layout, monkeypatch):
+    """Megatron's gradient-accumulation fusion with MOK_BACKWARD=megakernel: where each
+    weight's main_grads are one run of equally spaced planes (stacked, TE's backwards
+    buffer, SequentialMLP's interleaved one) phase 2 adds into them; otherwise (uneven) the
+    wgrad launches do. Either way the buffers end as the launch chain leaves them, bit for
+    bit, over two backwards."""
+    from megatron_mok.grad_accumulation import ExpertGradAccumulator
+    from test_gpu_backend import _main_grad_buffers
+    inputs = _inputs(2048, 768, 16, 8, tokens=1000, seed=8)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    calls = []
+    moe_backward = megakernel.moe_backward
+    monkeypatch.setattr(megakernel, "moe_backward",
+                        lambda *a, **k: calls.append(k["wgrad"]) or moe_backward(*a, **k))
+    ends = {}
+    for path in ("megakernel", "launches"):
+        monkeypatch.setenv("MOK_BACKWARD", path)
+        flat, fc1, fc2 = _main_grad_buffers(layout, inputs["w1"], inputs["w2"])
+        flat.copy_(torch.randn(flat.shape, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(1)))
+        accs = (ExpertGradAccumulator(fc1), ExpertGradAccumulator(fc2))
+        for _ in range(2):
+            step = _training_step(inputs, dy, accumulators=accs)
+        ends[path] = (flat.clone(), step)
+    assert len(calls) == 2 and all((c is not None) == (layout != "uneven") for c in calls)
+    assert all(c.accumulate for c in calls if c is not None)
+    assert torch.equal(ends["megakernel"][0], ends["launches"][0])
+    for name in ("d_x", "d_topk_w"):
+        assert torch.equal(ends["megakernel"][1][name], ends["launches"][1][name]), name
+
+
+@pytest.mark.parametrize("wgrad", ["fused", "launches"])
+def test_training_step_is_the_chains_and_near_the_reference(wgrad, monkeypatch):
+    monkeypatch.setenv("MOK_BACKWARD_WGRAD", wgrad)
     inputs = _inputs(1024, 512, 8, 4, tokens=640, seed=9, shared=256)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     calls = []

@@ -109,3 +109,45 @@ def test_moe_backward_rejects_bad_input_before_any_launch():
     with pytest.raises(ValueError, match="CUDA bfloat16"):  # CPU tensors
         megakernel.moe_backward(ws, None, x, None, w1, w2, h, torch.zeros(256, 64),
                                 minibatch_rows=256)
+
+
+def test_wgrad_targets_reject_bad_input():
+    rows, hidden, inter, experts = 256, 64, 32, 2
+    bf = dict(dtype=torch.bfloat16)
+    good = dict(act=torch.zeros(rows, inter, **bf), x_rows=torch.zeros(rows, hidden, **bf),
+                dw2=torch.zeros(experts, hidden, inter, **bf),
+                dw1=torch.zeros(experts, 2 * inter, hidden, **bf))
+    with pytest.raises(ValueError, match="act must be a contiguous CUDA bfloat16"):
+        megakernel.WgradTargets(**good).check(rows, hidden, inter, experts)  # CPU tensors
+    wrong = dict(good, act=torch.zeros(rows, inter + 8, **bf))
+    with pytest.raises(ValueError, match=r"act must be .*\[256, 32\]"):
+        megakernel.WgradTargets(**wrong).check(rows, hidden, inter, experts)
+    with pytest.raises(ValueError, match="reversed planes need accumulate"):
+        megakernel.WgradTargets(**good, reverse1=True).check(rows, hidden, inter, experts)
+
+
+def test_fused_wgrad_targets_follow_the_knob_and_the_accumulators(monkeypatch):
+    experts, hidden, inter = 3, 16, 8
+    saved = types.SimpleNamespace(
+        act=torch.zeros(128, inter), x_rows=torch.zeros(128, hidden),
+        w1=torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16),
+        w2=torch.zeros(experts, hidden, inter, dtype=torch.bfloat16))
+    monkeypatch.delenv("MOK_BACKWARD_WGRAD", raising=False)
+    plain = kernel_backend._fused_wgrad_targets(saved, None, None)
+    assert plain.dw2.shape == (experts, hidden, inter) and plain.dw2.dtype == torch.bfloat16
+    assert plain.dw1.shape == (experts, 2 * inter, hidden) and not plain.accumulate
+    planes1, planes2 = torch.zeros(experts, 2 * inter, hidden), torch.zeros(experts, hidden, inter)
+    acc1 = types.SimpleNamespace(fused_target=(planes1, True))
+    acc2 = types.SimpleNamespace(fused_target=(planes2, False))
+    fused = kernel_backend._fused_wgrad_targets(saved, acc1, acc2)
+    assert fused.dw1 is planes1 and fused.dw2 is planes2 and fused.accumulate
+    assert fused.reverse1 and not fused.reverse2
+    # Buffers one launch cannot add into, or one weight frozen: the wgrad launches.
+    assert kernel_backend._fused_wgrad_targets(
+        saved, types.SimpleNamespace(fused_target=None), acc2) is None
+    assert kernel_backend._fused_wgrad_targets(saved, None, acc2) is None
+    monkeypatch.setenv("MOK_BACKWARD_WGRAD", "launches")
+    assert kernel_backend._fused_wgrad_targets(saved, None, None) is None
+    monkeypatch.setenv("MOK_BACKWARD_WGRAD", "inside")
+    with pytest.raises(ValueError, match="MOK_BACKWARD_WGRAD"):
+        kernel_backend._fused_wgrad_targets(saved, None, None)

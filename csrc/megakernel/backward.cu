@@ -1,6 +1,7 @@
-// Host side of the backward megakernel (dgrad half): argument checks, the TMA
-// descriptors of fc2 dgrad (+ SwiGLU backward) and fc1 dgrad, one cooperative launch over
-// every SM. Reads the row count and the expert offsets on the device: no host sync.
+// Host side of the backward megakernel: argument checks, the TMA descriptors of fc2 dgrad
+// (+ SwiGLU backward), fc1 dgrad and (optionally) the two weight gradients, one
+// cooperative launch over every SM. Reads the row count and the expert offsets on the
+// device: no host sync.
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -21,6 +22,51 @@ using megakernel::BackwardParams;
 using CfgD = CfgDgradSwiGLU<1>;  // the core's fc2 dgrad + SwiGLU backward tiles
 using CfgX = CfgRowsNN<1>;       // the core's fc1 dgrad tiles (w1 read MN-major)
 
+// Phase 2's operands and outputs: dW2 [E, H, I] = d_out^T act, dW1 [E, 2I, H] = d_h^T
+// x_rows, written as bf16 or added into fp32 planes (main_grad; dense [M, N] planes,
+// 16-byte aligned apart), expert e's into plane E - 1 - e where reversed.
+struct WgradArgs {
+  const at::Tensor* act;
+  const at::Tensor* x_rows;
+  const at::Tensor* dw2;
+  const at::Tensor* dw1;
+  bool accumulate, reverse2, reverse1;
+};
+
+void check_wgrad_out(const at::Tensor& out, const char* name, int64_t E, int64_t M, int64_t N,
+                     bool accumulate) {
+  const auto dtype = accumulate ? at::kFloat : at::kBFloat16;
+  const int64_t elem = accumulate ? 4 : 2;
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == dtype && out.dim() == 3 &&
+                  out.size(0) == E && out.size(1) == M && out.size(2) == N &&
+                  out.stride(2) == 1 && out.stride(1) == N &&
+                  (E == 1 || (out.stride(0) >= M * N && out.stride(0) * elem % 16 == 0)) &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "megatron_mok: ", name, " must be a CUDA ", accumulate ? "float32" : "bfloat16",
+              " [", E, ", ", M, ", ", N, "] tensor of dense planes, 16-byte aligned apart");
+}
+
+gemm::GemmParams wgrad_params(const at::Tensor& offsets, int64_t R, int64_t M, int64_t N,
+                              bool reverse) {
+  gemm::GemmParams p{};
+  p.offsets = offsets.data_ptr<int>();
+  p.num_experts = int(offsets.numel() - 1);
+  p.rows_cap = int(R);
+  p.M = int(M);
+  p.N = int(N);
+  p.K = int(R);
+  p.m_tiles = int((M + 127) / 128);
+  p.n_tiles = int((N + 255) / 256);
+  p.num_tasks = p.num_experts * p.m_tiles * p.n_tiles;
+  p.reverse_planes = reverse;
+  return p;
+}
+
+OutView planes_view(const at::Tensor& out) {
+  const int64_t E = out.size(0), M = out.size(1), N = out.size(2);
+  return {out.data_ptr(), M, N, E, N, E == 1 ? M * N : out.stride(0)};
+}
+
 // dy_local / topk_w_local (EP = 1): this rank's; else the peers' arena at dy_offset /
 // w_offset. scatter (EP > 1): dx rows and dots into the owners' slots / d_topk_w slots.
 void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offset,
@@ -34,7 +80,10 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                   const at::Tensor& counters,
                   const at::Tensor& watchdog, int64_t timeout_ms, int64_t rank,
                   int64_t minibatch_rows, bool scatter, int64_t slots_offset,
-                  int64_t dtopk_offset, int64_t hold_tile) {
+                  int64_t dtopk_offset, int64_t hold_tile,
+                  const std::optional<at::Tensor>& act, const std::optional<at::Tensor>& x_rows,
+                  const std::optional<at::Tensor>& dw2, const std::optional<at::Tensor>& dw1,
+                  bool accumulate, bool reverse2, bool reverse1) {
   TORCH_CHECK(dy_local.has_value() == topk_w_local.has_value(),
               "megatron_mok: pass dy and topk_w both local (EP = 1) or both through the arena");
   TORCH_CHECK(dy_offset % 16 == 0 && w_offset % 4 == 0 && slots_offset % 16 == 0 &&
@@ -83,6 +132,26 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                                 megakernel::forward_counters_size(int(m_tiles)));
   megakernel::check_watchdog_and_peers(watchdog, peer_base);
   megakernel::check_minibatch_rows(minibatch_rows);
+  const bool with_wgrad = act.has_value();
+  TORCH_CHECK(x_rows.has_value() == with_wgrad && dw2.has_value() == with_wgrad &&
+                  dw1.has_value() == with_wgrad,
+              "megatron_mok: the weight gradients need act, x_rows, dw2 and dw1 together");
+  TORCH_CHECK(with_wgrad || (!accumulate && !reverse2 && !reverse1),
+              "megatron_mok: accumulate / reverse apply to the weight gradients only");
+  TORCH_CHECK(!(reverse2 || reverse1) || accumulate,
+              "megatron_mok: reversed planes need accumulate (main_grad)");
+  if (with_wgrad) {
+    check_bf16_cuda(*act, "act", 2);
+    check_bf16_cuda(*x_rows, "x_rows", 2);
+    TORCH_CHECK(act->size(0) == R && act->size(1) == I, "megatron_mok: act must be [rows, I]");
+    TORCH_CHECK(x_rows->size(0) == R && x_rows->size(1) == H,
+                "megatron_mok: x_rows must be [rows, H]");
+    check_wgrad_out(*dw2, "dw2", E, H, I, accumulate);
+    check_wgrad_out(*dw1, "dw1", E, 2 * I, H, accumulate);
+    for (const at::Tensor* t : {&*act, &*x_rows, &*dw2, &*dw1}) {
+      TORCH_CHECK(t->device() == d_out.device(), "megatron_mok: operands must be on one device");
+    }
+  }
   c10::cuda::CUDAGuard guard(d_out.device());
   const int sms = num_sms(d_out.get_device());
 
@@ -112,7 +181,13 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
   p.row_vecs = int(H / 8);
   p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
   p.hold_tile = int(hold_tile);
-  if (R == 0) return;
+  if (R == 0) {  // no rows: zero weight gradients (no TMA descriptor over an empty tensor)
+    if (with_wgrad && !accumulate) {
+      dw2->zero_();
+      dw1->zero_();
+    }
+    return;
+  }
 
   // The same operand views as the core's launches (grouped_gemm.cu): dgrad_swiglu and
   // rows_matmul(w_transposed=True).
@@ -125,12 +200,44 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                                   int(E));
   auto tma_dx = make_store_atom<CfgX>(rows_view(dx_rows));
   auto tma_h = make_load_h<CfgD>(h);
-  auto kernel = &megakernel::moe_backward_kernel<CfgD, CfgX, decltype(tma_dout), decltype(tma_w2),
-                                                 decltype(tma_dh), decltype(tma_dh_in),
-                                                 decltype(tma_w1), decltype(tma_dx),
-                                                 decltype(tma_h)>;
-  megakernel::launch_cooperative(kernel, sms, CfgD::kThreads, CfgD::kSmemBytes, p, tma_dout,
-                                 tma_w2, tma_dh, tma_dh_halves, tma_dh_in, tma_w1, tma_dx, tma_h);
+  auto launch_with = [&](auto cfg_w, auto wtmas) {
+    using CfgW = decltype(cfg_w);
+    auto kernel = &megakernel::moe_backward_kernel<CfgD, CfgX, CfgW, decltype(wtmas),
+                                                   decltype(tma_dout), decltype(tma_w2),
+                                                   decltype(tma_dh), decltype(tma_dh_in),
+                                                   decltype(tma_w1), decltype(tma_dx),
+                                                   decltype(tma_h)>;
+    megakernel::launch_cooperative(kernel, sms, CfgD::kThreads, CfgD::kSmemBytes, p, tma_dout,
+                                   tma_w2, tma_dh, tma_dh_halves, tma_dh_in, tma_w1, tma_dx,
+                                   tma_h, wtmas);
+  };
+  if (!with_wgrad) {
+    launch_with(CfgWgradBf16<1>{}, megakernel::NoWgrad{});
+    return;
+  }
+  // Phase 2: the core's wgrad operand views (grouped_gemm.cu, grouped_wgrad): A (M, rows)
+  // and B (N, rows, 1), both MN-major.
+  p.wgrad2 = wgrad_params(offsets, R, H, I, reverse2);
+  p.wgrad1 = wgrad_params(offsets, R, 2 * I, H, reverse1);
+  p.wgrad2_shapes = {int(H), int(R), int(I), int(R), 1};
+  p.wgrad1_shapes = {int(2 * I), int(R), int(H), int(R), 1};
+  auto with_cfg = [&](auto cfg_w, auto reduce) {
+    using CfgW = decltype(cfg_w);
+    constexpr bool kReduce = decltype(reduce)::value;
+    auto a2 = make_load_a<CfgW>(d_out, make_stride(_1{}, H), int(H), int(R));
+    auto a1 = make_load_a<CfgW>(d_h, make_stride(_1{}, 2 * I), int(2 * I), int(R));
+    auto b2 = make_load_b<CfgW>(*act, make_stride(_1{}, I, I * R), int(I), int(R), 1);
+    auto b1 = make_load_b<CfgW>(*x_rows, make_stride(_1{}, H, H * R), int(H), int(R), 1);
+    auto o2 = make_store_atom<CfgW, kReduce>(planes_view(*dw2));
+    auto o1 = make_store_atom<CfgW, kReduce>(planes_view(*dw1));
+    launch_with(cfg_w, megakernel::WgradTmas<decltype(a2), decltype(b2), decltype(o2)>{
+                           {a2, a1}, {b2, b1}, {o2, o1}});
+  };
+  if (accumulate) {
+    with_cfg(CfgWgradF32<1>{}, std::true_type{});
+  } else {
+    with_cfg(CfgWgradBf16<1>{}, std::false_type{});
+  }
 }
 
 }  // namespace

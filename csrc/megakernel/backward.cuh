@@ -11,7 +11,13 @@
 // 128 before a dgrad tile and dh_done[m] == 2 * dgrad column tiles before a dx tile; the
 // consumer warpgroups run the grouped-GEMM core's CfgDgradSwiGLU and CfgRowsNN tiles
 // (one shared-memory layout: A K-major, B MN-major, BN = 256) and publish d_h halves.
-// The weight gradients stay the core's wgrad launches after this one.
+// With kWgrad, the weight gradients follow in the same launch (phase 2): once every dgrad
+// task has been drawn, the task counter hands out the core's wgrad tiles (dW2[e] = d_out_e^T
+// act_e, then dW1[e] = d_h_e^T x_rows_e), each waiting (acquire) only for its expert's row
+// tiles: pulled (dW2) or d_h finished (dW1). They run on the same ring and barriers (the
+// wgrad configuration's shared memory has the same byte layout), stored as bf16 or added
+// into fp32 planes (Megatron's main_grad) by TMA reduce-add, one owner per tile and the
+// row-table order as K: the bits of the core's wgrad launches.
 //
 // Every output has one owner and a fixed order: the pulled rows and the dots are computed
 // exactly as ops.pull_rows computes them (comm/row_math.cuh's scale8 and dot8, and 256
@@ -57,7 +63,21 @@ struct BackwardParams {
   int row_vecs;            // H / 8
   Watchdog dog;
   int hold_tile;           // tests: the tile's last row is never published (-1: none)
+  // Phase 2 (kWgrad): dW2 = d_out^T act (M = H, N = I), dW1 = d_h^T x_rows (M = 2I, N = H),
+  // tokens as K; num_tasks 0 when the launch has no phase 2.
+  gemm::GemmParams wgrad2, wgrad1;
+  gemm::OperandShapes wgrad2_shapes, wgrad1_shapes;
 };
+
+// Phase 2's TMA atoms: [0] dW2 (A = d_out, B = act), [1] dW1 (A = d_h, B = x_rows), both
+// operands MN-major; the two GEMMs' atoms have one type each.
+template <class TmaA, class TmaB, class TmaO>
+struct WgradTmas {
+  TmaA a[2];
+  TmaB b[2];
+  TmaO out[2];
+};
+struct NoWgrad {};
 
 __device__ __forceinline__ int* bwd_pulled_counter(const BackwardParams& p, int m) {
   return p.counters + kCounterHeader + m;
@@ -182,14 +202,26 @@ __device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_
 
 // tma_h: h as (rows, I, 2) boxes, loaded through the ring for the fc2-dgrad tiles' SwiGLU
 // backward (core v5, as the standalone dgrad launch does).
-template <class CfgD, class CfgX, class TmaAD, class TmaBD, class TmaOD, class TmaAX, class TmaBX,
-          class TmaOX, class TmaH>
+// A phase-2 task u (u < wgrad2.num_tasks: dW2, else dW1) as the core's wgrad launch decodes it.
+template <class CfgW>
+__device__ __forceinline__ gemm::Task decode_wgrad_task(const BackwardParams& p, int u,
+                                                        bool& second) {
+  second = u >= p.wgrad2.num_tasks;
+  return gemm::decode_task<CfgW>(second ? p.wgrad1 : p.wgrad2,
+                                 second ? u - p.wgrad2.num_tasks : u, 0);
+}
+
+// kWgrad: CfgW is the core's wgrad configuration (bf16 store or fp32 reduce-add) and WTmas
+// a WgradTmas; otherwise NoWgrad.
+template <class CfgD, class CfgX, class CfgW, class WTmas, class TmaAD, class TmaBD, class TmaOD,
+          class TmaAX, class TmaBX, class TmaOX, class TmaH>
 __global__ void __launch_bounds__(CfgD::kThreads, 1)
 moe_backward_kernel(const __grid_constant__ BackwardParams p,
                     const __grid_constant__ TmaAD tma_dout, const __grid_constant__ TmaBD tma_w2,
                     const __grid_constant__ TmaOD tma_dh, const __grid_constant__ TmaOD tma_dh_halves,
                     const __grid_constant__ TmaAX tma_dh_in, const __grid_constant__ TmaBX tma_w1,
-                    const __grid_constant__ TmaOX tma_dx, const __grid_constant__ TmaH tma_h) {
+                    const __grid_constant__ TmaOX tma_dx, const __grid_constant__ TmaH tma_h,
+                    const __grid_constant__ WTmas wgrad) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace cute;
   using Storage = typename CfgD::SharedStorage;
@@ -198,10 +230,26 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
   static_assert(std::is_same_v<typename CfgD::TiledMma, typename CfgX::TiledMma>,
                 "fc2-dgrad and fc1-dgrad tiles run the same WGMMA");
   static_assert(CfgD::kCluster == 1 && CfgX::kCluster == 1, "the megakernel runs 1-CTA clusters");
+  constexpr bool kWgrad = !std::is_same_v<WTmas, NoWgrad>;
+  // Phase 2 reads the same shared memory as its own storage type: the ring, the barriers
+  // and the task queue must lie at the same offsets (the epilogue buffers differ in
+  // element type only).
+  using StorageW = typename CfgW::SharedStorage;
+  static_assert(!kWgrad || (sizeof(StorageW) == sizeof(Storage) && CfgW::Stages == CfgD::Stages &&
+                            offsetof(StorageW, a) == offsetof(Storage, a) &&
+                            offsetof(StorageW, b) == offsetof(Storage, b) &&
+                            offsetof(StorageW, epi) == offsetof(Storage, epi) &&
+                            offsetof(StorageW, full) == offsetof(Storage, full) &&
+                            offsetof(StorageW, empty) == offsetof(Storage, empty) &&
+                            offsetof(StorageW, task_full) == offsetof(Storage, task_full) &&
+                            offsetof(StorageW, task_id) == offsetof(Storage, task_id)),
+                "the wgrad tiles run on the dgrad tiles' ring");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<Storage*>(smem_raw);
+  auto& smem_w = *reinterpret_cast<StorageW*>(smem_raw);
   const int used_tiles = used_row_tiles(p.dgrad);
   const int num_tasks = used_tiles * (p.dgrad.n_tiles + p.dx.n_tiles);
+  const int all_tasks = num_tasks + (kWgrad ? p.wgrad2.num_tasks + p.wgrad1.num_tasks : 0);
   const int k_dgrad = (p.dgrad.K + CfgD::BK - 1) / CfgD::BK;
   const int k_dx = (p.dx.K + CfgX::BK - 1) / CfgX::BK;
 
@@ -215,6 +263,13 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
     prefetch_tma_descriptor(tma_w1.get_tma_descriptor());
     prefetch_tma_descriptor(tma_dx.get_tma_descriptor());
     prefetch_tma_descriptor(tma_h.get_tma_descriptor());
+    if constexpr (kWgrad) {
+      for (int g = 0; g < 2; ++g) {
+        prefetch_tma_descriptor(wgrad.a[g].get_tma_descriptor());
+        prefetch_tma_descriptor(wgrad.b[g].get_tma_descriptor());
+        prefetch_tma_descriptor(wgrad.out[g].get_tma_descriptor());
+      }
+    }
     gemm::init_tile_barriers<CfgD>(smem, 1);
   }
   __syncthreads();
@@ -233,7 +288,29 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
       while (true) {
         const int t = atomicAdd(task_counter, 1);
         queue.push(t);
-        if (t >= num_tasks) break;
+        if (t >= all_tasks) break;
+        if (t >= num_tasks) {
+          if constexpr (kWgrad) {  // phase 2: a weight-gradient tile of one expert
+            bool second;
+            const gemm::Task task = decode_wgrad_task<CfgW>(p, t - num_tasks, second);
+            if (task.k_begin >= task.k_end) continue;  // no rows: the epilogue stores zeros
+            // The expert's row tiles (segments start on 128-row boundaries): d_out rows
+            // pulled for dW2, d_h finished for dW1. Every dgrad task has been drawn by now,
+            // by CTAs that finish it without waiting on phase 2: no deadlock.
+            const int m_end = (task.k_end * CfgW::BK + 127) / 128;
+            for (int m = task.k_begin * CfgW::BK / 128; m < m_end; ++m) {
+              if (second) {
+                wait_counter(dh_counter(p, m), dh_target, p.dog, kWaitDhDone, m);
+              } else {
+                wait_counter(bwd_pulled_counter(p, m), 128, p.dog, kWaitDyPulled, m);
+              }
+            }
+            fence_proxy_async_global();
+            gemm::load_task<CfgW>(smem_w, wgrad.a[second], wgrad.b[second], wgrad.b[second],
+                                  second ? p.wgrad1_shapes : p.wgrad2_shapes, task, 0, ring);
+          }
+          continue;
+        }
         const ForwardTask task =
             decode_pair_task(p.dgrad, p.dx, p.mb_tiles, t, used_tiles, k_dgrad, k_dx);
         const int m = task.tile.m_tile;
@@ -268,7 +345,33 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
     gemm::EpilogueState es{wg, ctid % 128, int(get<0>(tCcD(0))) - 64 * wg,
                            int(get<1>(tCcD(0))), 0};
     gemm::RingPos ring;
-    for (int t = queue.pop(); t < num_tasks; t = queue.pop()) {
+    for (int t = queue.pop(); t < all_tasks; t = queue.pop()) {
+      if (t >= num_tasks) {
+        if constexpr (kWgrad) {
+          // Phase 2: the wgrad tiles' WGMMAs read both operands MN-major from the same
+          // stages; their accumulator has the dgrad tiles' layout (same 64 x 256 atoms).
+          typename CfgW::TiledMma mma_w;
+          auto thr_w = mma_w.get_thread_slice(ctid);
+          Tensor tCrAw = thr_w.make_fragment_A(thr_w.partition_A(
+              make_tensor(make_smem_ptr(smem_w.a), typename CfgW::SmemLayoutA{})));
+          Tensor tCrBw = thr_w.make_fragment_B(thr_w.partition_B(
+              make_tensor(make_smem_ptr(smem_w.b), typename CfgW::SmemLayoutB{})));
+          static_assert(std::is_same_v<decltype(partition_fragment_C(
+                                           mma_w, Shape<Int<CfgW::BM>, Int<CfgW::BN>>{})),
+                                       decltype(accum)>,
+                        "the wgrad tiles reuse the dgrad tiles' accumulator");
+          bool second;
+          const gemm::Task task = decode_wgrad_task<CfgW>(p, t - num_tasks, second);
+          const bool has_k = task.k_begin < task.k_end;
+          if (has_k) {
+            gemm::mma_task<CfgW>(smem_w, mma_w, tCrAw, tCrBw, accum, task.k_begin, task.k_end,
+                                 ring, es.wg_thread);
+          }
+          gemm::tile_epilogue<CfgW>(smem_w, es, second ? p.wgrad1 : p.wgrad2, task, accum,
+                                    has_k, wgrad.out[second], wgrad.out[second]);
+        }
+        continue;
+      }
       const ForwardTask task =
           decode_pair_task(p.dgrad, p.dx, p.mb_tiles, t, used_tiles, k_dgrad, k_dx);
       gemm::mma_task<CfgD>(smem, tiled_mma, tCrA, tCrB, accum, task.tile.k_begin,
