@@ -267,9 +267,10 @@ BACKWARD_WGRAD_PATHS = ("fused", "launches")
 
 def backward_wgrad_path() -> str:
     """Where the backward megakernel leaves the weight gradients (MOK_BACKWARD_WGRAD):
-    "fused" (default): its phase 2, in the same launch; "launches": the core's wgrad
-    launches after it, as the launch chain does."""
-    path = os.environ.get("MOK_BACKWARD_WGRAD", "fused")
+    "launches" (default): the core's wgrad launches after it, as the launch chain does;
+    "fused": its phase 2, in the same launch (the same bits; measured 1-5 % slower layer
+    backward on the H200 at 925ccb4: docs/perf-notes.md, "backward megakernel phase 2")."""
+    path = os.environ.get("MOK_BACKWARD_WGRAD", "launches")
     if path not in BACKWARD_WGRAD_PATHS:
         raise ValueError(f"megatron_mok: MOK_BACKWARD_WGRAD must be one of "
                          f"{BACKWARD_WGRAD_PATHS}, got {path!r}")
@@ -303,8 +304,8 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     num_tokens, hidden = dy.shape
     core = gemm_core()
     # The backward megakernel (MOK_BACKWARD, else an autotuned plan): pull, fc2 dgrad +
-    # SwiGLU backward, fc1 dgrad and (MOK_BACKWARD_WGRAD=fused, the default) the weight
-    # gradients in one launch; at EP = 1 it reads dy itself (nothing is published), at
+    # SwiGLU backward, fc1 dgrad and (MOK_BACKWARD_WGRAD=fused) the weight gradients in
+    # one launch; at EP = 1 it reads dy itself (nothing is published), at
     # EP > 1 it pulls from the peers' arenas and writes the owners' slots (no push launch).
     plan = autotune.backward_plan(ws, saved.w1.shape[1] // 2, saved.config, dy.dtype,
                                   saved.route_row is not None)

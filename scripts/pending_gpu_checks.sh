@@ -54,6 +54,17 @@ if [ "$part" = wgrad ]; then
   done
   exit 0
 fi
+if [ "$part" = wgrad2 ]; then
+  # Where phase 2 loses: the backward's kernel time by category (profiler), the backward
+  # megakernel with the wgrads inside against it with the wgrad launches after it.
+  for wg in fused launches; do
+    MOK_BACKWARD=megakernel MOK_BACKWARD_WGRAD=$wg timeout 150 $PY -m benchmarks.breakdown \
+      --shapes "$shapes" --iters 5 --out "$OUT/breakdown-$wg" > "$OUT/breakdown-$wg.log" 2>&1
+    echo "== MOK_BACKWARD_WGRAD=$wg"
+    grep -E -A12 "bwd" "$OUT/breakdown-$wg.log" | grep -E "bwd|megakernel|core|idle|wall" | head -16
+  done
+  exit 0
+fi
 if [ "$part" = v6ncu ]; then
   # Why core v6's 128 x 128 mainloop is slower: ncu metrics of the plain fc1 dgrad (long K,
   # short epilogue) on the ping-pong and the cooperative kernels.

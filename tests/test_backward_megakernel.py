@@ -159,13 +159,15 @@ def test_weight_gradient_phase_is_the_wgrad_launches_bits(shape, mode):
 
 @pytest.mark.parametrize("layout", ["stacked", "te", "sequential", "uneven"])
 def test_main_grad_through_the_megakernel_is_the_chains(layout, monkeypatch):
-    """Megatron's gradient-accumulation fusion with MOK_BACKWARD=megakernel: where each
+    """Megatron's gradient-accumulation fusion with MOK_BACKWARD=megakernel and
+    MOK_BACKWARD_WGRAD=fused: where each
     weight's main_grads are one run of equally spaced planes (stacked, TE's backwards
     buffer, SequentialMLP's interleaved one) phase 2 adds into them; otherwise (uneven) the
     wgrad launches do. Either way the buffers end as the launch chain leaves them, bit for
     bit, over two backwards."""
     from megatron_mok.grad_accumulation import ExpertGradAccumulator
     from test_gpu_backend import _main_grad_buffers
+    monkeypatch.setenv("MOK_BACKWARD_WGRAD", "fused")
     inputs = _inputs(2048, 768, 16, 8, tokens=1000, seed=8)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     calls = []
@@ -220,6 +222,7 @@ def test_gradients_independent_of_minibatch_and_run(minibatch, monkeypatch):
     inputs = _inputs(2048, 768, 16, 8, tokens=1500, seed=7)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     monkeypatch.setenv("MOK_BACKWARD", "megakernel")
+    monkeypatch.setenv("MOK_BACKWARD_WGRAD", "fused")  # weight grads from phase 2 too
     monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", "2048")
     base = _training_step(inputs, dy)
     monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", str(minibatch))
@@ -293,3 +296,44 @@ def test_watchdog_reports_a_row_tile_that_is_never_pulled():
                           timeout=60)
     assert "stuck in the backward megakernel" in done.stdout, done.stdout + done.stderr
     assert "row tile 1" in done.stdout, done.stdout
+
+
+_FRESH_THREAD = r"""
+import sys, threading, torch
+sys.path.insert(0, {tests!r})
+from megatron_mok import functional as mok, grouped_gemm, megakernel
+from megatron_mok.config import MoKConfig
+from moe_inputs import make_moe_inputs
+cfg = MoKConfig(backend="kernel")
+inputs = make_moe_inputs(num_tokens=512, hidden=1024, inter=512, num_local_experts=8, topk=4,
+                         seed=2, device="cuda")
+ws = mok.get_workspace(cfg, None, device="cuda", num_local_tokens=512, hidden_size=1024, topk=4,
+                       num_local_experts=8)
+sched = mok.build_schedule(ws, cfg, inputs["topk_idx"])
+cap = ws.capacity
+t = lambda *shape: torch.randn(*shape, device="cuda").bfloat16()
+dy, h, y_rows, act, x_rows = t(512, 1024), t(cap, 1024), t(cap, 1024), t(cap, 512), t(cap, 1024)
+targets = megakernel.WgradTargets(act, x_rows, t(8, 1024, 512), t(8, 1024, 1024))
+out = {{}}
+def run():  # this thread's first CUDA call encodes the megakernel's TMA descriptors
+    out["grads"] = megakernel.moe_backward(ws, sched, dy, inputs["topk_w"], inputs["w1"],
+                                           inputs["w2"], h, y_rows, minibatch_rows=256,
+                                           wgrad=targets)
+    out["dw"] = grouped_gemm.wgrad(out["grads"][0], act, sched.expert_offsets)
+thread = threading.Thread(target=run)
+thread.start()
+thread.join()
+torch.cuda.synchronize()
+print("OK" if torch.equal(out["dw"], targets.dw2) else "MISMATCH")
+"""
+
+
+def test_a_thread_without_a_cuda_context_can_launch():
+    """Autograd runs the backward on its own device thread; at EP = 1 the backward
+    megakernel can be that thread's first CUDA call, and the driver-API TMA encoding needs
+    a current context (it failed with CUDA_ERROR_INVALID_CONTEXT and aborted the process
+    before make_context_current). In a subprocess: the failure was an abort."""
+    script = _FRESH_THREAD.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip().endswith("OK"), done.stdout + done.stderr[-3000:]

@@ -132,7 +132,9 @@ def test_fused_wgrad_targets_follow_the_knob_and_the_accumulators(monkeypatch):
         act=torch.zeros(128, inter), x_rows=torch.zeros(128, hidden),
         w1=torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16),
         w2=torch.zeros(experts, hidden, inter, dtype=torch.bfloat16))
-    monkeypatch.delenv("MOK_BACKWARD_WGRAD", raising=False)
+    monkeypatch.delenv("MOK_BACKWARD_WGRAD", raising=False)  # default: the wgrad launches
+    assert kernel_backend._fused_wgrad_targets(saved, None, None) is None
+    monkeypatch.setenv("MOK_BACKWARD_WGRAD", "fused")
     plain = kernel_backend._fused_wgrad_targets(saved, None, None)
     assert plain.dw2.shape == (experts, hidden, inter) and plain.dw2.dtype == torch.bfloat16
     assert plain.dw1.shape == (experts, 2 * inter, hidden) and not plain.accumulate

@@ -67,6 +67,7 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
   // Tasks are groups of C neighbouring row tiles (one per CTA of a cluster).
   const int m_groups = (p.m_tiles + C - 1) / C;
   p.num_tasks = (p.num_tasks / p.m_tiles) * m_groups;
+  make_context_current(a);
   auto tma_a = make_load_a<Cfg>(a, stride_a, a_rows, a_cols);
   auto tma_b = make_load_b<Cfg>(b, stride_b, b_n, b_k, b_q);
   auto tma_b_mc = [&] {

@@ -50,6 +50,14 @@ inline int num_sms(int device) {
   return cached[device];
 }
 
+// The TMA descriptors are encoded through the driver API, which needs a current context. A
+// thread whose first CUDA call is one of ours (autograd's device threads: the backward
+// megakernel at EP = 1 issues nothing before it) has none, and c10's device guard does not
+// make one current (it skips cudaSetDevice when the device is already selected); encoding
+// then fails with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice initializes the primary context
+// and makes it current.
+inline void make_context_current(const at::Tensor& t) { C10_CUDA_CHECK(cudaSetDevice(t.get_device())); }
+
 inline const bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
 
 // A 3-D output view (rows, cols, planes) for the epilogue's TMA stores.

@@ -191,6 +191,7 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
 
   // The same operand views as the core's launches (grouped_gemm.cu): dgrad_swiglu and
   // rows_matmul(w_transposed=True).
+  make_context_current(d_out);
   auto tma_dout = make_load_a<CfgD>(d_out, make_stride(H, _1{}), int(R), int(H));
   auto tma_w2 = make_load_b<CfgD>(w2, make_stride(_1{}, I, H * I), int(I), int(H), int(E));
   auto tma_dh = make_store_atom<CfgD>(rows_view(d_h));

@@ -104,6 +104,7 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   if (x_local.has_value()) check_bf16_cuda(*x_local, "x", 2);
   TORCH_CHECK(!x_local.has_value() || x_local->size(1) == H, "megatron_mok: x must be [T, H]");
   c10::cuda::CUDAGuard guard(x_rows.device());
+  make_context_current(x_rows);  // before any TMA descriptor (row_map too)
   const int sms = num_sms(x_rows.get_device());
   TORCH_CHECK(!direct || x_local.has_value(),
               "megatron_mok: the direct megakernel (EP = 1) gathers from a local x");
