@@ -496,3 +496,16 @@ def test_main_grad_benchmark_lays_buffers_out_as_megatron(layout):
         for buf in acc.buffers:
             buf.add_(1)
     assert torch.equal(flat, torch.ones_like(flat))
+
+
+def test_sustained_sampler_summarises_the_settled_half():
+    from benchmarks import sustained
+    sampler = sustained.Sampler.__new__(sustained.Sampler)  # no nvidia-smi on CPU
+    sampler.segments, sampler.current = {}, None
+    sampler.mark("dense")
+    sampler.segments["dense"] += [(1980.0, 300.0), (1900.0, 500.0), (1440.0, 690.0),
+                                  (1430.0, 695.0), (1450.0, 700.0), (1440.0, 690.0)]
+    sampler.mark(None)
+    s = sampler.summary("dense")
+    assert s == {"sm_mhz": 1440.0, "power_w": 695.0, "samples": 3}  # the last three
+    assert sampler.summary("missing") == {"sm_mhz": None, "power_w": None, "samples": 0}
