@@ -2,7 +2,11 @@
 against the same GEMM and the layer's passes run back to back for seconds, with the SM
 clock and board power sampled by nvidia-smi meanwhile.
 
-    python -m benchmarks.sustained [--shapes deepseek-v3,dsv4-pro] [--seconds 3] [--out DIR]
+    python -m benchmarks.sustained [--shapes deepseek-v3,dsv4-pro] [--passes fwd,bwd]
+                                   [--seconds 3] [--out DIR]
+
+The backward is timed alone (CUDA events around autograd.backward), each after an
+untimed forward, so the GPU stays as busy as in training.
 
 A fraction of the dense peak (BENCHMARKS.md) divides by the burst peak; a pass that runs
 for milliseconds, back to back, does so at the clock the board's power limit allows. This
@@ -68,16 +72,19 @@ class Sampler:
         self.proc.terminate()
 
 
-def run_for(fn, seconds: float) -> list[float]:
-    """ms per call of fn() run back to back for `seconds` (CUDA events, no sync between)."""
+def run_for(fn, seconds: float, prepare=lambda: None) -> list[float]:
+    """ms per call of fn(prepare()) run back to back for `seconds` (CUDA events around fn
+    only, no sync between)."""
     pairs, t_end = [], time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         batch = []
         for _ in range(10):
+            state = prepare()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn()
+            fn(state)
             e.record()
+            del state
             batch.append((s, e))
         batch[-1][1].synchronize()  # keep the host no more than a batch ahead
         pairs += batch
@@ -88,6 +95,7 @@ def run_for(fn, seconds: float) -> list[float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="deepseek-v3,dsv4-pro")
+    ap.add_argument("--passes", default="fwd")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -108,7 +116,7 @@ def main(argv=None) -> int:
     sampler.mark(None)
     time.sleep(1.0)  # let the clock recover
     sampler.mark("dense")
-    times = run_for(lambda: torch.mm(a, b, out=c), args.seconds)
+    times = run_for(lambda _: torch.mm(a, b, out=c), args.seconds)
     sampler.mark(None)
     late = times[len(times) // 2:]
     sustained = flops / (statistics.median(late) * 1e-3) / 1e12
@@ -126,24 +134,35 @@ def main(argv=None) -> int:
         for backend_name in ("mok", "torch-unfused"):
             backend = L.make_backend(backend_name, local, weights, device, margs)
             inp = backend.prepare(case)
-            with torch.enable_grad():
-                for _ in range(3):
-                    backend.run(inp)
-                time.sleep(1.0)
-                tag = f"{name}/{backend_name}/fwd"
-                sampler.mark(tag)
-                times = run_for(lambda: backend.run(inp), args.seconds)
-                sampler.mark(None)
-            late = times[len(times) // 2:]
-            ms = statistics.median(late)
-            flop = S.pass_flops(local, args.tokens, "fwd")
-            rec = {"shape": name, "backend": backend_name, "pass": "fwd", "ms": ms,
-                   "clock": sampler.summary(tag)}
-            rec.update(tflops=flop / (ms * 1e-3) / 1e12)
-            rec.update(of_burst_peak=rec["tflops"] / burst,
-                       of_sustained_peak=rec["tflops"] / sustained)
-            results["layer"].append(rec)
-            print(json.dumps(rec), flush=True)
+            for which in args.passes.split(","):
+                def clear():
+                    for t in backend.leaves(inp):
+                        t.grad = None
+                if which == "fwd":
+                    prepare, fn = clear, lambda _: backend.run(inp)
+                else:  # the backward alone, after an untimed forward
+                    prepare = lambda: (clear(), backend.run(inp))[1]
+                    fn = lambda y: torch.autograd.backward(y, case.dy)
+                with torch.enable_grad():
+                    for _ in range(3):
+                        fn(prepare())
+                    torch.cuda.synchronize()
+                    time.sleep(1.0)
+                    tag = f"{name}/{backend_name}/{which}"
+                    sampler.mark(tag)
+                    times = run_for(fn, args.seconds, prepare)
+                    sampler.mark(None)
+                clear()
+                late = times[len(times) // 2:]
+                ms = statistics.median(late)
+                flop = S.pass_flops(local, args.tokens, which)
+                rec = {"shape": name, "backend": backend_name, "pass": which, "ms": ms,
+                       "clock": sampler.summary(tag)}
+                rec.update(tflops=flop / (ms * 1e-3) / 1e12)
+                rec.update(of_burst_peak=rec["tflops"] / burst,
+                           of_sustained_peak=rec["tflops"] / sustained)
+                results["layer"].append(rec)
+                print(json.dumps(rec), flush=True)
             del backend, inp
             torch.cuda.empty_cache()
     sampler.close()
