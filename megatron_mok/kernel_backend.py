@@ -268,8 +268,8 @@ BACKWARD_WGRAD_PATHS = ("fused", "launches")
 def backward_wgrad_path() -> str:
     """Where the backward megakernel leaves the weight gradients (MOK_BACKWARD_WGRAD):
     "launches" (default): the core's wgrad launches after it, as the launch chain does;
-    "fused": its phase 2, in the same launch (the same bits; measured 1-5 % slower layer
-    backward on the H200 at 925ccb4: docs/perf-notes.md, "backward megakernel phase 2")."""
+    "fused": its phase 2, in the same launch (the same bits; measured 0-5 % slower layer
+    backward on the H200 at fe14702: docs/perf-notes.md, "backward megakernel phase 2")."""
     path = os.environ.get("MOK_BACKWARD_WGRAD", "launches")
     if path not in BACKWARD_WGRAD_PATHS:
         raise ValueError(f"megatron_mok: MOK_BACKWARD_WGRAD must be one of "
