@@ -65,6 +65,22 @@ if [ "$part" = wgrad2 ]; then
   done
   exit 0
 fi
+if [ "$part" = wgrad3 ]; then
+  # Phase 2's loss under the power limit: DRAM and L2 bytes of the backward's expert
+  # kernels, the megakernel with the wgrads inside against it followed by the wgrad
+  # launches (ncu, one backward each).
+  for wg in fused launches; do
+    MOK_BACKWARD=megakernel MOK_BACKWARD_WGRAD=$wg timeout 200 ncu --profile-from-start off \
+      -k "regex:moe_backward_kernel|grouped_gemm_kernel" --metrics \
+      dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,gpu__time_duration.sum,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed \
+      $PY -m benchmarks.profile_backward --shape "${SHAPE:-qwen3-30b-a3b}" \
+      > "$OUT/ncu_bwd_wgrad_$wg.txt" 2>&1
+    echo "== MOK_BACKWARD_WGRAD=$wg"
+    grep -E "moe_backward_kernel|grouped_gemm_kernel|dram__|lts__t_bytes|duration|pipe_tensor" \
+      "$OUT/ncu_bwd_wgrad_$wg.txt" | sed -E 's/^ *//' | cut -c1-110 | head -24
+  done
+  exit 0
+fi
 if [ "$part" = v6ncu ]; then
   # Why core v6's 128 x 128 mainloop is slower: ncu metrics of the plain fc1 dgrad (long K,
   # short epilogue) on the ping-pong and the cooperative kernels.
