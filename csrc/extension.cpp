@@ -90,11 +90,14 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor(c!)? h, Tensor(d!) y_rows, Tensor(e!) counters, Tensor(f!) watchdog, "
         "int timeout_ms, int rank, int num_comm, int minibatch_rows, bool direct, bool store_y, "
         "int hold_tile, Tensor(g!)? probe=None, bool scatter=True) -> ()");
-  // The backward megakernel, dgrad half (megakernel/backward.cuh): d_out = dy rows scaled
-  // by their router weight, dots = <dy, y_rows> per row, d_h (fc2 dgrad + SwiGLU backward
-  // from h) and dx_rows (fc1 dgrad) in one persistent launch. dy_local / topk_w_local at
-  // EP = 1, else the peers' arena; scatter: dx rows and dots into the owners' slots (then
-  // dx_rows is not written and may be None).
+  // The backward megakernel (megakernel/backward.cuh): d_out = dy rows scaled by their
+  // router weight, dots = <dy, y_rows> per row, d_h (fc2 dgrad + SwiGLU backward from h)
+  // and dx_rows (fc1 dgrad) in one persistent launch. dy_local / topk_w_local at EP = 1,
+  // else the peers' arena; scatter: dx rows and dots into the owners' slots (then dx_rows
+  // is not written and may be None). With act, x_rows, dw2, dw1 (phase 2): dw2 = d_out^T
+  // act and dw1 = d_h^T x_rows per expert, bf16, or added into fp32 planes (accumulate;
+  // reverse*: expert e into plane E - 1 - e). expert_offsets[E] must equal num_rows: the
+  // wgrad tiles wait on the row tiles up to it.
   m.def("moe_backward(Tensor peer_base, int dy_offset, int w_offset, Tensor? dy_local, "
         "Tensor? topk_w_local, int topk, Tensor peer_rank, Tensor peer_token, Tensor peer_k, "
         "Tensor expert_offsets, Tensor num_rows, Tensor w1, Tensor w2, Tensor h, "

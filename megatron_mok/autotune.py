@@ -210,7 +210,11 @@ def _name(plan: ForwardPlan) -> str:
 
 
 def backward_key(ws, inter: int) -> str:
-    return workspace_key(ws, inter) + "|bwd"
+    """The forward key + "|bwd"; + "|wgrad-fused" when MOK_BACKWARD_WGRAD=fused, whose
+    megakernel plans time different work (the weight gradients inside)."""
+    from megatron_mok.kernel_backend import backward_wgrad_path
+    suffix = "|wgrad-fused" if backward_wgrad_path() == "fused" else ""
+    return workspace_key(ws, inter) + "|bwd" + suffix
 
 
 def lookup_backward(key: str) -> Optional[BackwardPlan]:
@@ -245,8 +249,8 @@ def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
                   warmup: int = 2, iters: int = 5, save: bool = True
                   ) -> tuple[BackwardPlan, dict]:
     """Time what the plans change in the backward (pull dy scaled + dots, fc2 dgrad +
-    SwiGLU backward, fc1 dgrad and the bf16 weight gradients: inside the megakernel unless
-    MOK_BACKWARD_WGRAD=launches, else the core's wgrad launches; the combine is the same)
+    SwiGLU backward, fc1 dgrad and the bf16 weight gradients: the core's wgrad launches,
+    or inside the megakernel with MOK_BACKWARD_WGRAD=fused; the combine is the same)
     for every candidate at EP = 1 after one forward that keeps its context; return
     (fastest, {plan: ms}), stored in the cache with `save`."""
     from megatron_mok import kernel_backend, ops

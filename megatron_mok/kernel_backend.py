@@ -13,9 +13,9 @@ their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->
 SwiGLU backward -> fc1 dgrad -> push dx rows and d_topk_w into the owners' slots ->
 weight gradients (one grouped GEMM per weight, tokens as K in row-table order) ->
 barrier -> dx = shared dx + sum_k slots in fp32. With MOK_BACKWARD=megakernel (opt-in,
-or an autotuned plan) the steps from pull to the weight gradients run as one launch, the
-backward megakernel (megatron_mok.megakernel.moe_backward; MOK_BACKWARD_WGRAD=launches
-leaves the weight gradients to the core's launches).
+or an autotuned plan) the steps from pull to the dx rows run as one launch, the backward
+megakernel (megatron_mok.megakernel.moe_backward); with MOK_BACKWARD_WGRAD=fused too the
+weight gradients run in that launch (its phase 2) instead of the core's launches.
 
 At EP = 1 (MOK_EP1_COMBINE=rows, the default; `slots` restores the pushes) there are
 no pushes: both combines read the expert rows in place through route_rows
@@ -279,8 +279,9 @@ def backward_wgrad_path() -> str:
 
 def _fused_wgrad_targets(saved: KernelSaved, acc1, acc2):
     """The backward megakernel's phase-2 targets, or None where the weight gradients stay
-    launches: MOK_BACKWARD_WGRAD=launches, or accumulators whose buffers are not one run
-    of equally spaced planes each (those take an fp32 gradient and a separate add)."""
+    launches: MOK_BACKWARD_WGRAD=launches (the default), one weight frozen, or accumulators
+    whose buffers are not one run of equally spaced planes each (those take one
+    reduce-add wgrad launch per run, or an fp32 gradient and a separate add)."""
     if backward_wgrad_path() != "fused":
         return None
     if acc1 is None and acc2 is None:
@@ -300,6 +301,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2). accumulators: (w1's, w2's)
     ExpertGradAccumulator or None (functional.backward)."""
     acc1, acc2 = accumulators or (None, None)
+    backward_wgrad_path()  # a bad MOK_BACKWARD_WGRAD raises before any work
     arena, topk = ws.arena, ws.topk
     num_tokens, hidden = dy.shape
     core = gemm_core()

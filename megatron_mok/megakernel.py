@@ -172,23 +172,35 @@ class WgradTargets:
     reverse2: bool = False
     reverse1: bool = False
 
-    def check(self, rows: int, hidden: int, inter: int, experts: int) -> None:
+    def check(self, rows: int, hidden: int, inter: int, experts: int,
+              device: Optional[torch.device] = None) -> None:
+        """Shapes and dtypes first (each with its own message), then placement: CUDA, on
+        `device`, contiguous / dense planes, 16-byte aligned (TMA)."""
         if (self.reverse2 or self.reverse1) and not self.accumulate:
             raise ValueError("megatron_mok: reversed planes need accumulate (main_grad)")
-        for name, t, shape in (("act", self.act, (rows, inter)),
-                               ("x_rows", self.x_rows, (rows, hidden))):
-            if t.dtype != torch.bfloat16 or not t.is_cuda or not t.is_contiguous() \
-                    or tuple(t.shape) != shape:
-                raise ValueError(f"megatron_mok: {name} must be a contiguous CUDA bfloat16 "
-                                 f"{list(shape)} tensor, got {t.dtype} {list(t.shape)}")
-        dtype = torch.float32 if self.accumulate else torch.bfloat16
-        for name, t, shape in (("dw2", self.dw2, (experts, hidden, inter)),
-                               ("dw1", self.dw1, (experts, 2 * inter, hidden))):
-            if t.dtype != dtype or not t.is_cuda or tuple(t.shape) != shape \
-                    or not grouped_gemm.planes_accumulable(t):
-                raise ValueError(f"megatron_mok: {name} must be a CUDA {dtype} {list(shape)} "
-                                 f"tensor of dense 16-byte aligned planes, got {t.dtype} "
+        out_dtype = torch.float32 if self.accumulate else torch.bfloat16
+        tensors = (("act", self.act, (rows, inter), torch.bfloat16),
+                   ("x_rows", self.x_rows, (rows, hidden), torch.bfloat16),
+                   ("dw2", self.dw2, (experts, hidden, inter), out_dtype),
+                   ("dw1", self.dw1, (experts, 2 * inter, hidden), out_dtype))
+        for name, t, shape, dtype in tensors:
+            if tuple(t.shape) != shape:
+                raise ValueError(f"megatron_mok: {name} must be {list(shape)}, got "
                                  f"{list(t.shape)}")
+            if t.dtype != dtype:
+                raise TypeError(f"megatron_mok: {name} must be {dtype}"
+                                f"{' (main_grad accumulation)' if self.accumulate and name[:2] == 'dw' else ''}"
+                                f", got {t.dtype}")
+        for name, t, _, _ in tensors:
+            if not t.is_cuda or (device is not None and t.device != device):
+                raise ValueError(f"megatron_mok: {name} must be on {device or 'a CUDA device'}, "
+                                 f"got {t.device}")
+            dense = t.is_contiguous() if name in ("act", "x_rows") \
+                else grouped_gemm.planes_accumulable(t)
+            if not dense or t.data_ptr() % 16:
+                raise ValueError(f"megatron_mok: {name} must be "
+                                 f"{'contiguous' if name in ('act', 'x_rows') else 'dense [M, N] planes, 16-byte aligned apart'}"
+                                 f" and 16-byte aligned (TMA)")
 
     def op_args(self) -> tuple:
         return (self.act, self.x_rows, self.dw2, self.dw1, self.accumulate, self.reverse2,
@@ -225,7 +237,7 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
         raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}] and y_rows "
                          f"[{rows}, {hidden}], got {tuple(h.shape)} and {tuple(y_rows.shape)}")
     if wgrad is not None:
-        wgrad.check(rows, hidden, inter, w1.shape[0])
+        wgrad.check(rows, hidden, inter, w1.shape[0], dy.device)
     arena, local = ws.arena, ws.ep_size == 1
     d_out = dy.new_empty(rows, hidden)
     dots = torch.empty(rows, dtype=torch.float32, device=dy.device)

@@ -199,14 +199,18 @@ def test_training_step_is_the_chains_and_near_the_reference(wgrad, monkeypatch):
     calls = []
     moe_backward = megakernel.moe_backward
 
+    wgrads = []
+
     def spy(*args, **kwargs):
         calls.append(kwargs.get("minibatch_rows"))
+        wgrads.append(kwargs.get("wgrad"))
         return moe_backward(*args, **kwargs)
 
     monkeypatch.setattr(megakernel, "moe_backward", spy)
     monkeypatch.setenv("MOK_BACKWARD", "megakernel")
     fused = _training_step(inputs, dy)
     assert calls == [kernel_backend.backward_minibatch()]  # the megakernel ran
+    assert (wgrads[0] is not None) == (wgrad == "fused")  # with phase 2 where asked
     monkeypatch.setenv("MOK_BACKWARD", "launches")
     chain = _training_step(inputs, dy)
     assert calls == [kernel_backend.backward_minibatch()]  # and the chain did not call it

@@ -117,13 +117,19 @@ def test_wgrad_targets_reject_bad_input():
     good = dict(act=torch.zeros(rows, inter, **bf), x_rows=torch.zeros(rows, hidden, **bf),
                 dw2=torch.zeros(experts, hidden, inter, **bf),
                 dw1=torch.zeros(experts, 2 * inter, hidden, **bf))
-    with pytest.raises(ValueError, match="act must be a contiguous CUDA bfloat16"):
-        megakernel.WgradTargets(**good).check(rows, hidden, inter, experts)  # CPU tensors
-    wrong = dict(good, act=torch.zeros(rows, inter + 8, **bf))
-    with pytest.raises(ValueError, match=r"act must be .*\[256, 32\]"):
-        megakernel.WgradTargets(**wrong).check(rows, hidden, inter, experts)
+    check = lambda **kw: megakernel.WgradTargets(**kw).check(rows, hidden, inter, experts)
+    with pytest.raises(ValueError, match=r"act must be \[256, 32\]"):
+        check(**dict(good, act=torch.zeros(rows, inter + 8, **bf)))
+    with pytest.raises(ValueError, match=r"dw2 must be \[2, 64, 32\]"):  # dw1 / dw2 swapped
+        check(**dict(good, dw2=good["dw1"], dw1=good["dw2"]))
+    with pytest.raises(TypeError, match="x_rows must be torch.bfloat16"):
+        check(**dict(good, x_rows=torch.zeros(rows, hidden)))
+    with pytest.raises(TypeError, match=r"dw2 must be torch.float32 \(main_grad"):
+        check(**good, accumulate=True)  # bf16 planes cannot take fp32 adds
+    with pytest.raises(ValueError, match="act must be on a CUDA device"):  # CPU tensors
+        check(**good)
     with pytest.raises(ValueError, match="reversed planes need accumulate"):
-        megakernel.WgradTargets(**good, reverse1=True).check(rows, hidden, inter, experts)
+        check(**good, reverse1=True)
 
 
 def test_fused_wgrad_targets_follow_the_knob_and_the_accumulators(monkeypatch):

@@ -200,8 +200,6 @@ __device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_
   }
 }
 
-// tma_h: h as (rows, I, 2) boxes, loaded through the ring for the fc2-dgrad tiles' SwiGLU
-// backward (core v5, as the standalone dgrad launch does).
 // A phase-2 task u (u < wgrad2.num_tasks: dW2, else dW1) as the core's wgrad launch decodes it.
 template <class CfgW>
 __device__ __forceinline__ gemm::Task decode_wgrad_task(const BackwardParams& p, int u,
@@ -211,6 +209,8 @@ __device__ __forceinline__ gemm::Task decode_wgrad_task(const BackwardParams& p,
                                  second ? u - p.wgrad2.num_tasks : u, 0);
 }
 
+// tma_h: h as (rows, I, 2) boxes, loaded through the ring for the fc2-dgrad tiles' SwiGLU
+// backward (core v5, as the standalone dgrad launch does).
 // kWgrad: CfgW is the core's wgrad configuration (bf16 store or fp32 reduce-add) and WTmas
 // a WgradTmas; otherwise NoWgrad.
 template <class CfgD, class CfgX, class CfgW, class WTmas, class TmaAD, class TmaBD, class TmaOD,
