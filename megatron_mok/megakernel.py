@@ -188,19 +188,18 @@ class WgradTargets:
                 raise ValueError(f"megatron_mok: {name} must be {list(shape)}, got "
                                  f"{list(t.shape)}")
             if t.dtype != dtype:
-                raise TypeError(f"megatron_mok: {name} must be {dtype}"
-                                f"{' (main_grad accumulation)' if self.accumulate and name[:2] == 'dw' else ''}"
-                                f", got {t.dtype}")
+                why = " (main_grad accumulation)" if self.accumulate and name[:2] == "dw" else ""
+                raise TypeError(f"megatron_mok: {name} must be {dtype}{why}, got {t.dtype}")
         for name, t, _, _ in tensors:
             if not t.is_cuda or (device is not None and t.device != device):
                 raise ValueError(f"megatron_mok: {name} must be on {device or 'a CUDA device'}, "
                                  f"got {t.device}")
-            dense = t.is_contiguous() if name in ("act", "x_rows") \
-                else grouped_gemm.planes_accumulable(t)
+            rows_operand = name in ("act", "x_rows")
+            dense = t.is_contiguous() if rows_operand else grouped_gemm.planes_accumulable(t)
             if not dense or t.data_ptr() % 16:
-                raise ValueError(f"megatron_mok: {name} must be "
-                                 f"{'contiguous' if name in ('act', 'x_rows') else 'dense [M, N] planes, 16-byte aligned apart'}"
-                                 f" and 16-byte aligned (TMA)")
+                layout = "contiguous" if rows_operand else "dense [M, N] planes 16 bytes apart"
+                raise ValueError(f"megatron_mok: {name} must be {layout} and 16-byte aligned "
+                                 f"(TMA)")
 
     def op_args(self) -> tuple:
         return (self.act, self.x_rows, self.dw2, self.dw1, self.accumulate, self.reverse2,
