@@ -12,7 +12,6 @@ megakernel with its weight gradients inside against it followed by the wgrad lau
 from __future__ import annotations
 
 import argparse
-import argparse as _argparse
 
 import torch
 
@@ -28,10 +27,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda")
     local = S.ep8_proxy(S.get_shape(args.shape))
-    weights = L.make_weights(local, device)
     case = L.make_case(local, args.tokens, "balanced", device)
-    backend = L.make_backend("mok", local, weights, device,
-                             _argparse.Namespace(mok_backend="kernel", seed=0))
+    backend = L.MokBackend(L.make_weights(local, device), device, "kernel")
     inp = backend.prepare(case)
     with torch.enable_grad():
         for _ in range(args.warmup + 1):

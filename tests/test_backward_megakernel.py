@@ -269,19 +269,24 @@ def test_backward_autotune_stores_a_plan_the_backward_then_runs(monkeypatch, tmp
     print("backward autotune:", timings, "best", best)
 
 
-_STUCK = r"""
-import sys, torch
+# Subprocess scripts (a failure there is a trap or an abort): a kernel workspace and schedule
+# for 512 tokens, H = 1024, I = 512, 8 experts, top-4.
+_SETUP = r"""
+import sys, threading, torch
 sys.path.insert(0, {tests!r})
-from megatron_mok import functional as mok, megakernel
+from megatron_mok import functional as mok, grouped_gemm, megakernel
 from megatron_mok.config import MoKConfig
 from moe_inputs import make_moe_inputs
 cfg = MoKConfig(backend="kernel")
 inputs = make_moe_inputs(num_tokens=512, hidden=1024, inter=512, num_local_experts=8, topk=4,
-                         seed=1, device="cuda")
+                         seed={seed}, device="cuda")
 ws = mok.get_workspace(cfg, None, device="cuda", num_local_tokens=512, hidden_size=1024, topk=4,
                        num_local_experts=8)
 sched = mok.build_schedule(ws, cfg, inputs["topk_idx"])
 cap = ws.capacity
+"""
+
+_STUCK = _SETUP + r"""
 dy = torch.randn(512, 1024, device="cuda").bfloat16()
 h = torch.randn(cap, 1024, device="cuda").bfloat16()
 y_rows = torch.randn(cap, 1024, device="cuda").bfloat16()
@@ -295,26 +300,14 @@ except RuntimeError as err:
 
 
 def test_watchdog_reports_a_row_tile_that_is_never_pulled():
-    script = _STUCK.format(tests=os.path.dirname(__file__))
+    script = _STUCK.format(tests=os.path.dirname(__file__), seed=1)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60)
     assert "stuck in the backward megakernel" in done.stdout, done.stdout + done.stderr
     assert "row tile 1" in done.stdout, done.stdout
 
 
-_FRESH_THREAD = r"""
-import sys, threading, torch
-sys.path.insert(0, {tests!r})
-from megatron_mok import functional as mok, grouped_gemm, megakernel
-from megatron_mok.config import MoKConfig
-from moe_inputs import make_moe_inputs
-cfg = MoKConfig(backend="kernel")
-inputs = make_moe_inputs(num_tokens=512, hidden=1024, inter=512, num_local_experts=8, topk=4,
-                         seed=2, device="cuda")
-ws = mok.get_workspace(cfg, None, device="cuda", num_local_tokens=512, hidden_size=1024, topk=4,
-                       num_local_experts=8)
-sched = mok.build_schedule(ws, cfg, inputs["topk_idx"])
-cap = ws.capacity
+_FRESH_THREAD = _SETUP + r"""
 t = lambda *shape: torch.randn(*shape, device="cuda").bfloat16()
 dy, h, y_rows, act, x_rows = t(512, 1024), t(cap, 1024), t(cap, 1024), t(cap, 512), t(cap, 1024)
 targets = megakernel.WgradTargets(act, x_rows, t(8, 1024, 512), t(8, 1024, 1024))
@@ -337,7 +330,7 @@ def test_a_thread_without_a_cuda_context_can_launch():
     megakernel can be that thread's first CUDA call, and the driver-API TMA encoding needs
     a current context (it failed with CUDA_ERROR_INVALID_CONTEXT and aborted the process
     before make_context_current). In a subprocess: the failure was an abort."""
-    script = _FRESH_THREAD.format(tests=os.path.dirname(__file__))
+    script = _FRESH_THREAD.format(tests=os.path.dirname(__file__), seed=2)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert done.stdout.strip().endswith("OK"), done.stdout + done.stderr[-3000:]
