@@ -36,6 +36,7 @@ from megatron_mok import grouped_gemm as gg
 from megatron_mok.kernel_backend import _swiglu as swiglu
 from megatron_mok.kernel_backend import _swiglu_backward as swiglu_bwd
 from megatron_mok.schedule import build_row_table
+from megatron_mok import knobs
 
 STAGES = ("fwd", "dgrad", "wgrad")
 
@@ -171,9 +172,9 @@ def main(argv=None) -> int:
                    help="also time every GEMM alone, with torch's and a dense cuBLAS one")
     args = p.parse_args(argv)
     if args.cluster:
-        os.environ["MOK_GEMM_CLUSTER"] = args.cluster
+        knobs.set_env("MOK_GEMM_CLUSTER", args.cluster)
     if args.scheduler:
-        os.environ["MOK_GEMM_SCHEDULER"] = args.scheduler
+        knobs.set_env("MOK_GEMM_SCHEDULER", args.scheduler)
     device = torch.device("cuda")
     meta = run_metadata(device, args)
     meta["peak_tflops"] = peak = measure_dense_peak(device)

@@ -32,6 +32,7 @@ from benchmarks.layer import REPO, Timer, measure_dense_peak, run_metadata
 from megatron_mok import functional as mok
 from megatron_mok import kernel_backend, megakernel
 from megatron_mok.config import MoKConfig
+from megatron_mok import knobs
 
 
 def make_case(local: S.LocalShape, num_tokens: int, routing: str, device):
@@ -84,11 +85,11 @@ def main(argv=None) -> int:
         rows = int(sched.num_rows.item())
 
         def chain(core):
-            os.environ["MOK_GEMM_CORE"] = core
+            knobs.set_env("MOK_GEMM_CORE", core)
             try:
                 return kernel_backend._expert_launches(ws, sched, w1, w2, local.hidden, False)
             finally:
-                os.environ.pop("MOK_GEMM_CORE", None)
+                knobs.set_env("MOK_GEMM_CORE", None)
 
         def record(path_name, ms, **extra):
             rec = {"shape": name, "tokens": args.tokens, "routing": args.routing,
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
                 # "lines+inplace": no scatter into the slots (y rows only, for
                 # ops.combine_rows).
                 mode, _, option = gather.partition("+")
-                os.environ["MOK_MEGAKERNEL_GATHER"] = mode
+                knobs.set_env("MOK_MEGAKERNEL_GATHER", mode)
                 scatter = option != "inplace"
 
                 def direct(_):
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
                              minibatch=mb, gather=gather, bit_equal=same)
                 if best is None or rec["ms"] < best["ms"]:
                     best = rec
-            os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
+            knobs.set_env("MOK_MEGAKERNEL_GATHER", None)
         # Spread mode (no comm CTAs; every CTA's producer warps pull), y rows in place.
         for mb in [int(v) for v in args.minibatch.split(",")] if args.spread else []:
             def spread(_):
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
                        for comm in [int(v) for v in args.comm_sms.split(",") if v]
                        for warps in [int(v) for v in args.mover_warps.split(",")]]
         for mb, comm, warps in comm_points:
-            os.environ["MOK_MOVER_WARPS"] = str(warps)  # read per launch
+            knobs.set_env("MOK_MOVER_WARPS", str(warps))  # read again by set_env
 
             def fused(_):
                 return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
                          minibatch=mb, mover_warps=warps, bit_equal=same)
             if best is None or rec["ms"] < best["ms"]:
                 best = rec
-        os.environ.pop("MOK_MOVER_WARPS", None)
+        knobs.set_env("MOK_MOVER_WARPS", None)
         print(f"{name:14s} best {best['path']} {best['ms']:.3f} ms (comm {best['comm_sms']}, "
               f"minibatch {best['minibatch']}): {base['mok']['ms'] / best['ms']:.2f}x the core "
               f"launch chain, {base['torch']['ms'] / best['ms']:.2f}x the torch chain")

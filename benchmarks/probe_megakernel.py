@@ -26,6 +26,7 @@ from benchmarks import shapes as S
 from benchmarks.layer import REPO, run_metadata
 from benchmarks.megakernel import make_case
 from megatron_mok import megakernel
+from megatron_mok import knobs
 
 # One 128 x 256 x 64 K step of a CTA tile at Hopper's dense BF16 rate (4 096 FLOP/clk/SM).
 IDEAL_CYCLES_PER_K_STEP = 128 * 256 * 64 * 2 / 4096
@@ -43,11 +44,11 @@ def probe_once(ws, sched, x, w1, w2, mode: tuple[str, str], minibatch: int) -> d
     kind, arg = mode
     comm = 0
     if kind == "direct":
-        os.environ["MOK_MEGAKERNEL_GATHER"] = arg
+        knobs.set_env("MOK_MEGAKERNEL_GATHER", arg)
     else:  # "8" or "8w4": 8 comm SMs with 4 row-mover warps each
         comm_text, _, warps = arg.partition("w")
         comm = int(comm_text)
-        os.environ["MOK_MOVER_WARPS"] = warps or "1"
+        knobs.set_env("MOK_MOVER_WARPS", warps or "1")
 
     def run(probe=None):
         megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False, num_comm_sms=comm,
@@ -60,8 +61,8 @@ def probe_once(ws, sched, x, w1, w2, mode: tuple[str, str], minibatch: int) -> d
         run(probe)
         torch.cuda.synchronize()
     finally:
-        os.environ.pop("MOK_MEGAKERNEL_GATHER", None)
-        os.environ.pop("MOK_MOVER_WARPS", None)
+        knobs.set_env("MOK_MEGAKERNEL_GATHER", None)
+        knobs.set_env("MOK_MOVER_WARPS", None)
     return megakernel.probe_summary(probe)
 
 

@@ -18,6 +18,7 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.megakernel import make_case
 from megatron_mok import megakernel
+from megatron_mok import knobs
 
 
 def main(argv=None) -> int:
@@ -30,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=2)
     args = p.parse_args(argv)
-    os.environ["MOK_MEGAKERNEL_GATHER"] = args.gather
+    knobs.set_env("MOK_MEGAKERNEL_GATHER", args.gather)
     local = S.ep8_proxy(S.get_shape(args.shape))
     ws, sched, x, w1, w2 = make_case(local, args.tokens, "balanced", torch.device("cuda"))
 

@@ -51,10 +51,16 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor(b!) watchdog, int timeout_ms) -> ()");
   m.def("gather_from_peers(Tensor peer_base, int offset, Tensor(a!) out) -> ()");
   // The row table of schedule.build_row_table in three launches (comm/schedule.cu).
+  // status: the device's sticky routing status (comm/routing_status.h); dropped (EP > 1):
+  // [1 + P T K], the count and then the routes left out for lack of room.
   m.def("build_row_table(Tensor topk_idx_all, int ep_rank, int num_local_experts, "
         "int num_experts, Tensor(a!) peer_rank, Tensor(b!) peer_token, Tensor(c!) peer_k, "
         "Tensor(d!) tokens_per_expert, Tensor(e!) expert_offsets, Tensor(f!) num_rows, "
-        "Tensor(g!) overflow, Tensor(h!) invalid_ids, Tensor(i!)? route_row) -> ()");
+        "Tensor(g!) overflow, Tensor(h!) invalid_ids, Tensor(i!)? route_row, "
+        "Tensor(j!) status, Tensor(k!)? dropped) -> ()");
+  // Zero the (t, k) slot row and scalar of every dropped route on its source rank.
+  m.def("zero_dropped_routes(Tensor peer_base, int slots_offset, int scalar_offset, "
+        "Tensor dropped, int num_tokens, int topk, int hidden) -> ()");
   m.def("pull_rows(Tensor peer_base, int src_offset, Tensor peer_rank, Tensor peer_token, "
         "Tensor peer_k, Tensor num_rows, int topk, int w_offset, Tensor? saved, Tensor(a!) out, "
         "Tensor(b!)? dots) -> ()");

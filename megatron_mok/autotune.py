@@ -25,13 +25,14 @@ import functools
 import json
 import os
 import statistics
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from megatron_mok import megakernel
+from megatron_mok import knobs, megakernel
 
 MINIBATCHES = (1024, 2048, 4096, 8192)
 COMM_SMS = (4, 8, 16, 24)
@@ -52,13 +53,17 @@ class BackwardPlan:
 
 
 def cache_file() -> Path:
-    env = os.environ.get("MOK_AUTOTUNE_CACHE")
+    env = knobs.get("MOK_AUTOTUNE_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "megatron_mok" / "autotune.json"
 
 
 def plan_key(gpu: str, num_tokens: int, hidden: int, inter: int, num_local_experts: int,
              topk: int, ep_size: int) -> str:
-    return f"{gpu}|T={num_tokens}|H={hidden}|I={inter}|E_loc={num_local_experts}|K={topk}|EP={ep_size}"
+    """GPU and shape, plus the MOK_* knobs that change what a plan measured (those not at
+    their defaults: knobs.plan_signature), so a plan is never reused under other knobs."""
+    key = f"{gpu}|T={num_tokens}|H={hidden}|I={inter}|E_loc={num_local_experts}|K={topk}|EP={ep_size}"
+    signature = knobs.plan_signature()
+    return f"{key}|{signature}" if signature else key
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,9 +113,16 @@ def store(key: str, plan, timings_ms: dict, write: bool = True) -> None:
         return
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: concurrent readers see the old or the new file
+    # A temporary file of this writer's own (ranks and processes tune at once), then an
+    # atomic rename: readers see the old or the new file, never a mix.
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def forward_plan(ws, inter: int, config) -> ForwardPlan:
@@ -121,7 +133,7 @@ def forward_plan(ws, inter: int, config) -> ForwardPlan:
     path = ("megakernel-spread" if ws.ep_size == 1 and megakernel.runnable(ws.hidden_size)
             else "launches")
     default = ForwardPlan(path, config.fwd_num_comm_sms, config.minibatch_size)
-    if "MOK_FORWARD" in os.environ:
+    if knobs.is_set("MOK_FORWARD"):
         return dataclasses.replace(default, path=megakernel.forward_path(ws.hidden_size))
     plan = lookup(workspace_key(ws, inter)) if config.autotune else None
     if plan is None or (plan.path != "launches" and not megakernel.runnable(ws.hidden_size)):
@@ -212,8 +224,7 @@ def _name(plan: ForwardPlan) -> str:
 def backward_key(ws, inter: int) -> str:
     """The forward key + "|bwd"; + "|wgrad-fused" when MOK_BACKWARD_WGRAD=fused, whose
     megakernel plans time different work (the weight gradients inside)."""
-    from megatron_mok.kernel_backend import backward_wgrad_path
-    suffix = "|wgrad-fused" if backward_wgrad_path() == "fused" else ""
+    suffix = "|wgrad-fused" if knobs.get("MOK_BACKWARD_WGRAD") == "fused" else ""
     return workspace_key(ws, inter) + "|bwd" + suffix
 
 
@@ -228,14 +239,14 @@ def backward_plan(ws, inter: int, config, dtype: torch.dtype, in_place: bool) ->
     """The backward's dgrad path: MOK_BACKWARD (with MOK_BACKWARD_MINIBATCH) if set, else
     the cached plan (config.autotune) where the megakernel can run, else the launch chain
     (the backward megakernel is not yet measured: docs/perf-notes.md)."""
-    from megatron_mok.kernel_backend import backward_minibatch
-    if "MOK_BACKWARD" in os.environ:
-        return BackwardPlan(megakernel.backward_path(ws, dtype, in_place), backward_minibatch())
+    minibatch = int(knobs.get("MOK_BACKWARD_MINIBATCH"))
+    if knobs.is_set("MOK_BACKWARD"):
+        return BackwardPlan(megakernel.backward_path(ws, dtype, in_place), minibatch)
     plan = lookup_backward(backward_key(ws, inter)) if config is None or config.autotune \
         else None
     if plan is None or (plan.path == "megakernel"
                         and not megakernel.backward_runnable(ws, dtype, in_place)):
-        return BackwardPlan("launches", backward_minibatch())
+        return BackwardPlan("launches", minibatch)
     return plan
 
 

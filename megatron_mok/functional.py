@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import kernel_backend, ops, reference, shared_fold
+from megatron_mok import kernel_backend, reference, routing_errors, shared_fold
+from megatron_mok.backend import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table
@@ -37,25 +38,15 @@ __all__ = [
 ]
 
 
-def resolve_backend(config: MoKConfig, device: torch.device,
-                    dtype: Optional[torch.dtype] = None) -> str:
-    """The backend that runs on `device` for activations of `dtype`; forcing an
-    unavailable one is an error."""
-    available, reason = ops.kernel_backend_status(device, dtype)
-    if config.backend == "kernel" and not available:
-        raise RuntimeError(f"megatron_mok: backend='kernel' is not available here: {reason}. "
-                           f"Use backend='reference' or 'auto'.")
-    if config.backend == "auto":
-        return "kernel" if available else "reference"
-    return config.backend
-
-
 def build_schedule(ws: MoKWorkspace, config: MoKConfig, topk_idx: torch.Tensor) -> MoKSchedule:
     """Gather every rank's routing and build this rank's row table (sync-free).
 
     Expert ids are validated eagerly when the routing is on the CPU or when
-    config.debug_checks is set; otherwise a bad id can only surface through the
-    kernel backend's device-side error flag.
+    config.debug_checks is set. On the kernel backend the schedule latches an overflow or
+    an invalid id on the device, and `routing_errors.RoutingError` is raised at a later
+    layer call or at `routing_errors.check()` (no host sync in the pass; the pass itself
+    leaves the bad routes out: docs/reliability.md). Raises here the error latched by an
+    earlier pass once its copy has reached the host.
     """
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_idx must be an int32/int64 tensor, got "
@@ -68,6 +59,8 @@ def build_schedule(ws: MoKWorkspace, config: MoKConfig, topk_idx: torch.Tensor) 
     if not topk_idx.is_contiguous():
         raise ValueError("topk_idx must be contiguous")
     kernel = ws.arena is not None
+    if kernel:
+        routing_errors.poll(ws.device)  # an earlier pass's error, if it has reached the host
     if topk_idx.device.type == "cpu" or config.debug_checks or not kernel:
         check_expert_ids(topk_idx, ws.num_experts)
     if kernel:
@@ -75,7 +68,11 @@ def build_schedule(ws: MoKWorkspace, config: MoKConfig, topk_idx: torch.Tensor) 
     else:
         topk_idx_all = reference.gather_routing(topk_idx, ws.group)
     sched = build_row_table(topk_idx_all, ws.ep_rank, ws.num_local_experts, ws.capacity,
-                            num_experts=ws.num_experts)
+                            num_experts=ws.num_experts,
+                            status=routing_errors.status_tensor(ws.device) if kernel else None,
+                            list_dropped=kernel and ws.ep_size > 1)
+    if kernel:
+        routing_errors.record(ws.device)
     if config.debug_checks:
         sched.check_errors()
     return sched

@@ -36,12 +36,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from megatron_mok import autotune, grouped_gemm, megakernel, ops
+from megatron_mok import autotune, grouped_gemm, knobs, megakernel, ops, routing_errors
 from megatron_mok.config import MoKConfig
 from megatron_mok.schedule import MoKSchedule
 from megatron_mok.workspace import MoKWorkspace
@@ -64,9 +62,7 @@ GEMM_CORES = ("mok", "torch")
 
 def gemm_core() -> str:
     """"mok" (our grouped-GEMM core, the default when built) or "torch" (_grouped_mm)."""
-    core = os.environ.get("MOK_GEMM_CORE", "mok")
-    if core not in GEMM_CORES:
-        raise ValueError(f"megatron_mok: MOK_GEMM_CORE must be one of {GEMM_CORES}, got {core!r}")
+    core = knobs.get("MOK_GEMM_CORE")
     if core == "mok" and not grouped_gemm.available():
         raise RuntimeError("megatron_mok: the extension was built without the grouped-GEMM "
                            "core; rebuild it or set MOK_GEMM_CORE=torch")
@@ -116,11 +112,7 @@ class KernelSaved:
 def backward_minibatch() -> int:
     """Rows per readiness counter of the backward megakernel (MOK_BACKWARD_MINIBATCH,
     default 2048: the forward's best at T = 8192, perf-notes v7)."""
-    value = os.environ.get("MOK_BACKWARD_MINIBATCH", "2048")
-    if not value.isdigit() or int(value) < 128 or int(value) % 128:
-        raise ValueError(f"megatron_mok: MOK_BACKWARD_MINIBATCH must be a positive multiple of "
-                         f"128, got {value!r}")
-    return int(value)
+    return int(knobs.get("MOK_BACKWARD_MINIBATCH"))
 
 
 def rows_combine(ws: MoKWorkspace) -> bool:
@@ -129,10 +121,7 @@ def rows_combine(ws: MoKWorkspace) -> bool:
     (t, k) slots first: one pass over the rows fewer each way. Bit-equal to `slots`;
     measured 3-6 % faster layer forward and 1-4 % faster backward on the H200
     (docs/perf-notes.md, "EP = 1 in-place combine")."""
-    mode = os.environ.get("MOK_EP1_COMBINE", "rows")
-    if mode not in ("slots", "rows"):
-        raise ValueError(f"megatron_mok: MOK_EP1_COMBINE must be slots or rows, got {mode!r}")
-    return mode == "rows" and ws.ep_size == 1
+    return knobs.get("MOK_EP1_COMBINE") == "rows" and ws.ep_size == 1
 
 
 def route_rows(sched: MoKSchedule, num_tokens: int, topk: int) -> torch.Tensor:
@@ -172,6 +161,7 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     if shared_w1 is not None:  # independent of the peers: runs before the barrier
         shared_out, shared_leaves = _shared_forward(x, shared_w1, shared_w2, keep_ctx)
     arena.barrier()
+    zero_dropped_routes(ws, sched)
     direct = fused and ws.ep_size == 1 and plan.path == "megakernel"
     spread = fused and plan.path == "megakernel-spread"
     # In place: the combine reads the rows (chain, direct and spread megakernel); comm
@@ -193,6 +183,7 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         route_row = route_rows(sched, num_tokens, topk)
         y = ops.combine_rows(y_rows, route_row, topk_w.detach(), shared_y)
     else:
+        topk_idx = routed_ids(ws, topk_idx)
         slots = arena.view("slots").view(num_tokens, topk, hidden)
         y = ops.combine_epilogue(slots, topk_idx, topk_w.detach(), shared_y)
     saved = None
@@ -200,6 +191,25 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h, act,
                             y_rows, shared_out, shared_leaves, x.detach(), route_row, config)
     return y, saved
+
+
+def routed_ids(ws: MoKWorkspace, topk_idx: torch.Tensor) -> torch.Tensor:
+    """topk_idx with ids past the last expert set to -1: the slots combine reads slot
+    (t, k) for every id >= 0, and no rank computes an invalid id's route (the schedule
+    latched the error, routing_errors)."""
+    return torch.where(topk_idx < ws.num_experts, topk_idx, -1)
+
+
+def zero_dropped_routes(ws: MoKWorkspace, sched: MoKSchedule) -> None:
+    """EP > 1, at the start of each pass (after its barrier): zero the slots of the routes
+    this rank's table left out (overflow), on their source ranks, so their combine adds
+    nothing rather than a row of another pass. One launch that returns at once when
+    nothing was dropped."""
+    if sched.dropped is None:
+        return
+    arena = ws.arena
+    ops.zero_dropped_routes(arena.peer_base, arena.offset("slots"), arena.offset("d_topk_w"),
+                            sched.dropped, ws.num_tokens, ws.topk, ws.hidden_size)
 
 
 def _dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, d_out: torch.Tensor,
@@ -270,11 +280,7 @@ def backward_wgrad_path() -> str:
     "launches" (default): the core's wgrad launches after it, as the launch chain does;
     "fused": its phase 2, in the same launch (the same bits; measured 0-5 % slower layer
     backward on the H200 at fe14702: docs/perf-notes.md, "backward megakernel phase 2")."""
-    path = os.environ.get("MOK_BACKWARD_WGRAD", "launches")
-    if path not in BACKWARD_WGRAD_PATHS:
-        raise ValueError(f"megatron_mok: MOK_BACKWARD_WGRAD must be one of "
-                         f"{BACKWARD_WGRAD_PATHS}, got {path!r}")
-    return path
+    return knobs.get("MOK_BACKWARD_WGRAD")
 
 
 def _fused_wgrad_targets(saved: KernelSaved, acc1, acc2):
@@ -302,6 +308,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     ExpertGradAccumulator or None (functional.backward)."""
     acc1, acc2 = accumulators or (None, None)
     backward_wgrad_path()  # a bad MOK_BACKWARD_WGRAD raises before any work
+    routing_errors.poll(ws.device)  # an error latched by an earlier pass's schedule
     arena, topk = ws.arena, ws.topk
     num_tokens, hidden = dy.shape
     core = gemm_core()
@@ -319,6 +326,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     if saved.shared_out is not None:  # local work first, while peers catch up
         d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
     arena.barrier()
+    zero_dropped_routes(ws, sched)
     offs = sched.expert_offsets[1:]
     if saved.x_rows is None:  # the direct megakernel gathered x on the fly
         saved.x_rows = _gather_rows(saved.x, sched)

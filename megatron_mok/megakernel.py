@@ -16,13 +16,12 @@ a path explicitly, and a cached autotune plan overrides the default.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megatron_mok import grouped_gemm, ops
+from megatron_mok import grouped_gemm, knobs, ops
 from megatron_mok.config import TILE_M
 
 # megakernel: direct mode at EP = 1 (no comm CTAs: fc1 gathers its rows, fc2 scatters into
@@ -47,9 +46,7 @@ def forward_path(hidden: Optional[int] = None) -> str:
     """The path MOK_FORWARD asks for ("launches" when unset), or "launches" when a
     megakernel path is asked for but not built or H > MAX_HIDDEN. (Without MOK_FORWARD
     the default comes from autotune.forward_plan: spread at EP = 1.)"""
-    path = os.environ.get("MOK_FORWARD", "launches")
-    if path not in FORWARD_PATHS:
-        raise ValueError(f"megatron_mok: MOK_FORWARD must be one of {FORWARD_PATHS}, got {path!r}")
+    path = knobs.get("MOK_FORWARD") or "launches"
     if path.startswith("megakernel") and not runnable(hidden or 0):
         return "launches"
     return path
@@ -144,10 +141,7 @@ def backward_path(ws, dtype: torch.dtype, in_place: bool) -> str:
     """"megakernel" when MOK_BACKWARD asks for it and it can run here (built, bf16
     gradients; at EP = 1 with the combine reading rows in place, at EP > 1 with the slots),
     else "launches". (Its row movers use registers, not shared memory: no limit on H.)"""
-    path = os.environ.get("MOK_BACKWARD", "launches")
-    if path not in BACKWARD_PATHS:
-        raise ValueError(f"megatron_mok: MOK_BACKWARD must be one of {BACKWARD_PATHS}, "
-                         f"got {path!r}")
+    path = knobs.get("MOK_BACKWARD") or "launches"
     return path if path == "megakernel" and backward_runnable(ws, dtype, in_place) \
         else "launches"
 

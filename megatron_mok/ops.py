@@ -25,6 +25,11 @@ def extension_available() -> bool:
     return _C is not None
 
 
+def has_op(name: str) -> bool:
+    """The loaded extension registers torch.ops.megatron_mok.<name>."""
+    return _C is not None and hasattr(torch.ops.megatron_mok, name)
+
+
 if _C is not None:
     @torch.library.register_fake("megatron_mok::combine_epilogue")
     def _combine_epilogue_fake(slots, topk_idx, topk_w, shared):
@@ -37,6 +42,7 @@ if _C is not None:
 
     # The communication ops only write into their (a!) arguments.
     for _name in ("ep_barrier", "gather_from_peers", "pull_rows", "push_rows",
+                  "zero_dropped_routes",
                   "grouped_fc1_swiglu", "grouped_gemm_rows", "grouped_dgrad_swiglu",
                   "grouped_wgrad", "build_row_table", "moe_forward", "moe_backward"):
         if hasattr(torch.ops.megatron_mok, _name):
@@ -85,6 +91,14 @@ def push_rows(rows, peer_base, dst_offset: int, sched, topk: int, *, scalars=Non
                                      scalars, scalar_offset)
 
 
+def zero_dropped_routes(peer_base, slots_offset: int, scalar_offset: int, dropped,
+                        num_tokens: int, topk: int, hidden: int) -> None:
+    """Zero slot (t, k) (row and scalar) on the source rank of every route in `dropped`
+    ([1 + P T K] int32: the count, then flat route ids of topk_idx_all)."""
+    torch.ops.megatron_mok.zero_dropped_routes(peer_base, slots_offset, scalar_offset,
+                                               dropped, num_tokens, topk, hidden)
+
+
 # The v1 kernel backend needs the communication ops of csrc/comm/.
 KERNEL_PASS_BUILT = _C is not None and hasattr(torch.ops.megatron_mok, "pull_rows")
 
@@ -113,3 +127,7 @@ def kernel_backend_status(device, dtype: Optional[torch.dtype] = None) -> tuple[
     if available and dtype is not None and dtype != torch.bfloat16:
         return False, f"the kernel backend computes in bfloat16, not {dtype}"
     return available, reason
+
+
+# Hand the C++ launchers their MOK_* knobs now that the extension is loaded.
+from megatron_mok import knobs as _knobs  # noqa: E402,F401

@@ -18,11 +18,11 @@ schedule op must produce the same table.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 
+from megatron_mok import knobs
 from megatron_mok.config import TILE_M
 
 
@@ -42,6 +42,9 @@ class MoKSchedule:
     # [T, K] int32 at EP = 1 (None at EP > 1): the row of route (t, k), -1 when it has none
     # (dropped, id -1); the in-place combine reads it.
     route_row: Optional[torch.Tensor] = None
+    # [1 + P T K] int32 (kernel backend, EP > 1): dropped[0] routes left out for lack of
+    # room, their flat ids of topk_idx_all in dropped[1:]; each pass zeroes their slots.
+    dropped: Optional[torch.Tensor] = None
 
     @property
     def capacity(self) -> int:
@@ -70,10 +73,7 @@ def schedule_kernel_enabled(topk_idx_all: torch.Tensor, num_local_experts: int =
     extension built, <= 512 local experts, whole 128-row tiles); same integers. Measured
     (H200, 1792cfb, T = 8192): layer forward qwen3-30b-a3b 1.475 -> 1.243 ms, qwen3.5-like
     4.185 -> 4.058 ms. `torch` keeps the ops."""
-    mode = os.environ.get("MOK_SCHEDULE", "kernel")
-    if mode not in ("torch", "kernel"):
-        raise ValueError(f"megatron_mok: MOK_SCHEDULE must be torch or kernel, got {mode!r}")
-    if mode != "kernel" or not topk_idx_all.is_cuda:
+    if knobs.get("MOK_SCHEDULE") != "kernel" or not topk_idx_all.is_cuda:
         return False
     if num_local_experts > KERNEL_MAX_LOCAL_EXPERTS or capacity % TILE_M:
         return False
@@ -82,13 +82,17 @@ def schedule_kernel_enabled(topk_idx_all: torch.Tensor, num_local_experts: int =
 
 
 def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts: int,
-                    capacity: int, num_experts: Optional[int] = None) -> MoKSchedule:
-    """Row table of rank `ep_rank` from the routing of all ranks, topk_idx_all [P, T, K]."""
+                    capacity: int, num_experts: Optional[int] = None,
+                    status: Optional[torch.Tensor] = None,
+                    list_dropped: bool = False) -> MoKSchedule:
+    """Row table of rank `ep_rank` from the routing of all ranks, topk_idx_all [P, T, K].
+    status: the device's sticky routing status (routing_errors), which latches the first
+    overflow / invalid id; list_dropped: also list the routes the table left out."""
     if num_experts is None:
         num_experts = topk_idx_all.shape[0] * num_local_experts
     if schedule_kernel_enabled(topk_idx_all, num_local_experts, capacity):
         return _build_row_table_kernel(topk_idx_all, ep_rank, num_local_experts, capacity,
-                                       num_experts)
+                                       num_experts, status, list_dropped)
     ep_size, num_tokens, topk = topk_idx_all.shape
     device = topk_idx_all.device
     flat = topk_idx_all.reshape(-1).long()
@@ -112,7 +116,7 @@ def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts:
     is_local_sorted = sorted_bins < num_local_experts
     safe_bins = torch.where(is_local_sorted, sorted_bins, torch.zeros_like(sorted_bins))
     rank_in_expert = torch.arange(num_routes, device=device) - unpadded_starts[safe_bins]
-    row = offsets[safe_bins] + rank_in_expert
+    row = row_unclamped = offsets[safe_bins] + rank_in_expert
     keep = is_local_sorted & (row < capacity)
     # Rows that are not kept are written to a scratch slot past the end, then dropped.
     row = torch.where(keep, row, torch.full_like(row, capacity))
@@ -125,7 +129,19 @@ def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts:
     peer_token = torch.where(valid, route_src // topk % num_tokens, -1)
     peer_k = torch.where(valid, route_src % topk, -1)
     num_rows = offsets[-1:]
-    invalid = ((flat < -1) | (flat >= num_experts)).any().reshape(1)
+    invalid_routes = (flat < -1) | (flat >= num_experts)
+    invalid = invalid_routes.any().reshape(1)
+    if status is not None:
+        _latch_errors(status, num_rows, capacity, counts, padded, offsets, flat,
+                      invalid_routes, ep_rank, topk_idx_all.shape)
+    dropped = None
+    if list_dropped:  # in stable order (the kernel's is any order: only the set matters)
+        lost = is_local_sorted & (row_unclamped >= capacity)
+        slot = torch.where(lost, torch.cumsum(lost.long(), 0), num_routes + 1)
+        dropped = torch.full((num_routes + 2,), -1, dtype=torch.long, device=device)
+        dropped.scatter_(0, slot, order)
+        dropped[0] = lost.sum()
+        dropped = dropped[:-1].int()
     route_row = None
     if ep_size == 1:  # the inverse map: route `order[i]` sits in row `row[i]` when kept
         route_row = torch.empty(num_routes, dtype=torch.int32, device=device)
@@ -135,11 +151,45 @@ def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts:
         peer_rank=peer_rank.int(), peer_token=peer_token.int(), peer_k=peer_k.int(),
         tokens_per_expert=counts.int(), expert_offsets=offsets.int(),
         num_rows=num_rows.int(), overflow=(num_rows > capacity).int(),
-        invalid_ids=invalid.int(), topk_idx_all=topk_idx_all, route_row=route_row)
+        invalid_ids=invalid.int(), topk_idx_all=topk_idx_all, route_row=route_row,
+        dropped=dropped)
+
+
+def _latch_errors(status, num_rows, capacity, counts, padded, offsets, flat, invalid_routes,
+                  ep_rank, shape) -> None:
+    """The kernel's latch_errors (csrc/comm/schedule.cu) in tensor ops, no host sync: the
+    first overflow / invalid id since the host cleared `status` keeps its details."""
+    from megatron_mok import routing_errors as rs
+
+    ep_size, num_tokens, topk = shape
+    num_local = counts.numel()
+    over = (num_rows > capacity).reshape(())
+    kept = torch.minimum((capacity - offsets[:-1]).clamp(min=0), counts)
+    busiest = torch.argmax(counts)  # the first of the largest, as the kernel's strict >
+    overflow_record = torch.stack([
+        torch.full_like(busiest, ep_rank), num_rows.reshape(()).long(),
+        torch.full_like(busiest, capacity), busiest + ep_rank * num_local, counts[busiest],
+        (counts - kept).sum(), torch.full_like(busiest, ep_size),
+        torch.full_like(busiest, num_tokens), torch.full_like(busiest, topk),
+        torch.full_like(busiest, num_local)]).int()
+    bad = invalid_routes.sum()
+    first = torch.argmax(invalid_routes.int())  # the lowest invalid route
+    invalid_record = torch.stack([
+        first // (num_tokens * topk), first // topk % num_tokens, first % topk, flat[first],
+        bad]).int()
+    bits = status[rs.BITS]
+    new_over = over & (bits & rs.OVERFLOW == 0)
+    new_invalid = (bad > 0) & (bits & rs.INVALID_IDS == 0)
+    status[rs.OVERFLOW_RANK:rs.INVALID_RANK] = torch.where(
+        new_over, overflow_record, status[rs.OVERFLOW_RANK:rs.INVALID_RANK])
+    status[rs.INVALID_RANK:] = torch.where(new_invalid, invalid_record,
+                                           status[rs.INVALID_RANK:])
+    status[rs.BITS] = bits | over.int() * rs.OVERFLOW | (bad > 0).int() * rs.INVALID_IDS
 
 
 def _build_row_table_kernel(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts: int,
-                            capacity: int, num_experts: int) -> MoKSchedule:
+                            capacity: int, num_experts: int, status: Optional[torch.Tensor],
+                            list_dropped: bool) -> MoKSchedule:
     """build_row_table's table from the CUDA op: the same integers, three launches."""
     ids = topk_idx_all.to(torch.int32).contiguous()
     device = ids.device
@@ -153,8 +203,13 @@ def _build_row_table_kernel(topk_idx_all: torch.Tensor, ep_rank: int, num_local_
                         overflow=ints(1), invalid_ids=ints(1), topk_idx_all=topk_idx_all)
     if ids.shape[0] == 1:
         sched.route_row = ints(ids.numel()).view(ids.shape[1], ids.shape[2])
+    if list_dropped:
+        sched.dropped = ints(1 + ids.numel())
+    if status is None:  # the caller does not report errors: a scratch word
+        from megatron_mok.routing_errors import STATUS_SIZE
+        status = torch.zeros(STATUS_SIZE, dtype=torch.int32, device=device)
     torch.ops.megatron_mok.build_row_table(
         ids, ep_rank, num_local_experts, num_experts, sched.peer_rank, sched.peer_token,
         sched.peer_k, sched.tokens_per_expert, sched.expert_offsets, sched.num_rows,
-        sched.overflow, sched.invalid_ids, sched.route_row)
+        sched.overflow, sched.invalid_ids, sched.route_row, status, sched.dropped)
     return sched

@@ -19,19 +19,18 @@ they are a copy per pass.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
+
+from megatron_mok import knobs
 
 MODES = ("separate", "folded")
 
 
 def mode() -> str:
-    value = os.environ.get("MOK_SHARED_EXPERT", "separate")
-    if value not in MODES:
-        raise ValueError(f"megatron_mok: MOK_SHARED_EXPERT must be one of {MODES}, got {value!r}")
-    return value
+    """MOK_SHARED_EXPERT (megatron_mok.knobs): "separate" or "folded"."""
+    return knobs.get("MOK_SHARED_EXPERT")
 
 
 def foldable(w1: torch.Tensor, w2: torch.Tensor, shared_w1: Optional[torch.Tensor],

@@ -9,6 +9,7 @@ reads and writes over NVLink.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Optional
@@ -16,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_mok.backend import resolve_backend
 from megatron_mok.config import MoKConfig, schedule_capacity
 from megatron_mok.validation import check_same_shape_across_ranks
 
@@ -123,7 +125,32 @@ class SymmetricArena:
                 f"saw {seen} after {waited_ns / 1e6:.0f} ms")
 
 
-_CACHE: dict = {}
+# Most recently used last. Bounded: a run whose T changes call by call (evaluation,
+# variable lengths) keeps at most this many arenas; the least recently used goes first.
+_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+MAX_CACHED_WORKSPACES = 8
+
+
+def set_workspace_cache_limit(limit: int) -> None:
+    """How many workspaces get_workspace keeps (default 8); the least recently used ones
+    past it are dropped now."""
+    global MAX_CACHED_WORKSPACES
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(f"the workspace cache limit must be a positive int, got {limit!r}")
+    MAX_CACHED_WORKSPACES = limit
+    _evict()
+
+
+def _evict() -> None:
+    """Drop the least recently used workspaces past the limit. Every EP rank calls with
+    the same shapes in the same order, so all ranks drop the same one; they first wait
+    for the device and for each other, so no peer still reads an arena that goes. (A
+    workspace a pending backward still holds lives on until that backward is done.)"""
+    while len(_CACHE) > MAX_CACHED_WORKSPACES:
+        _, ws = _CACHE.popitem(last=False)
+        if ws.arena is not None and ws.ep_size > 1:
+            torch.cuda.synchronize(ws.device)
+            dist.barrier(ws.group)
 
 
 def _normalize_device(device) -> torch.device:
@@ -175,9 +202,8 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
                   topk: int, num_local_experts: int, dtype: torch.dtype = torch.bfloat16
                   ) -> MoKWorkspace:
     """Cached create_workspace, keyed by group, device, shapes, dtype and capacity
-    multiplier; allocates the symmetric arena when the kernel backend will run."""
-    from megatron_mok.functional import resolve_backend
-
+    multiplier; allocates the symmetric arena when the kernel backend will run. The cache
+    keeps the MAX_CACHED_WORKSPACES most recently used (set_workspace_cache_limit)."""
     device = _normalize_device(device)
     symmetric = resolve_backend(config, device, dtype) == "kernel"
     key = (_group_key(group), str(device), num_local_tokens, hidden_size, topk,
@@ -189,6 +215,9 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
                               num_local_experts=num_local_experts, dtype=dtype,
                               symmetric=symmetric)
         _CACHE[key] = ws
+        _evict()
+    else:
+        _CACHE.move_to_end(key)
     return ws
 
 

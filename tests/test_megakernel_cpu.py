@@ -63,9 +63,8 @@ def test_rows_combine_is_the_ep1_default(monkeypatch):
     assert not kernel_backend.rows_combine(ep1)
     monkeypatch.setenv("MOK_EP1_COMBINE", "rows")
     assert kernel_backend.rows_combine(ep1) and not kernel_backend.rows_combine(ep2)
-    monkeypatch.setenv("MOK_EP1_COMBINE", "inplace")
-    with pytest.raises(ValueError, match="MOK_EP1_COMBINE"):
-        kernel_backend.rows_combine(ep1)
+    with pytest.raises(ValueError, match="MOK_EP1_COMBINE"):  # checked when read
+        monkeypatch.setenv("MOK_EP1_COMBINE", "inplace")
 
 
 def test_backward_path_is_opt_in_and_checked(monkeypatch):
@@ -82,9 +81,8 @@ def test_backward_path_is_opt_in_and_checked(monkeypatch):
     assert megakernel.backward_path(ep1, torch.float32, in_place=True) == "launches"
     monkeypatch.setattr(megakernel, "backward_available", lambda: False)
     assert megakernel.backward_path(ep1, bf16, in_place=True) == "launches"
-    monkeypatch.setenv("MOK_BACKWARD", "fused")
     with pytest.raises(ValueError, match="MOK_BACKWARD"):
-        megakernel.backward_path(ep1, bf16, in_place=True)
+        monkeypatch.setenv("MOK_BACKWARD", "fused")
 
 
 def test_backward_minibatch_knob(monkeypatch):
@@ -93,9 +91,8 @@ def test_backward_minibatch_knob(monkeypatch):
     monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", "512")
     assert kernel_backend.backward_minibatch() == 512
     for bad in ("100", "0", "-128", "lots"):
-        monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", bad)
         with pytest.raises(ValueError, match="MOK_BACKWARD_MINIBATCH"):
-            kernel_backend.backward_minibatch()
+            monkeypatch.setenv("MOK_BACKWARD_MINIBATCH", bad)
 
 
 def test_moe_backward_rejects_bad_input_before_any_launch():
@@ -156,6 +153,5 @@ def test_fused_wgrad_targets_follow_the_knob_and_the_accumulators(monkeypatch):
     assert kernel_backend._fused_wgrad_targets(saved, None, acc2) is None
     monkeypatch.setenv("MOK_BACKWARD_WGRAD", "launches")
     assert kernel_backend._fused_wgrad_targets(saved, None, None) is None
-    monkeypatch.setenv("MOK_BACKWARD_WGRAD", "inside")
     with pytest.raises(ValueError, match="MOK_BACKWARD_WGRAD"):
-        kernel_backend._fused_wgrad_targets(saved, None, None)
+        monkeypatch.setenv("MOK_BACKWARD_WGRAD", "inside")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_utils import run_distributed
+from megatron_mok import knobs
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 
@@ -111,7 +112,7 @@ def test_mok_matches_alltoall(ep_size, shared):
 
 def _folded_parity_fn(rank, ep_size):
     # The shared expert as wide as the routed ones (24), folded into the fused pass.
-    os.environ["MOK_SHARED_EXPERT"] = "folded"
+    knobs.set_env("MOK_SHARED_EXPERT", "folded")
     import megatron_mok.shared_fold as shared_fold
     folds = []
     fold = shared_fold.fold_routing
@@ -217,9 +218,9 @@ def _main_grad_fn(rank, world_size, folded=False):
     shared = 24 if folded else None  # the routed experts' width: foldable
     unfused = _build("mok", shared)
     if folded:
-        os.environ["MOK_SHARED_EXPERT"] = "folded"  # read at construction
+        knobs.set_env("MOK_SHARED_EXPERT", "folded")  # read at construction
     fused = _build("mok", shared)
-    os.environ.pop("MOK_SHARED_EXPERT", None)
+    knobs.set_env("MOK_SHARED_EXPERT", None)
     fused.load_state_dict(unfused.state_dict())
     layers = [m for m in fused.modules() if isinstance(m, MokMoELayer)]
     for layer in layers:
@@ -328,9 +329,9 @@ def _hooks_fn(rank, world_size):
     --overlap-param-gather all-gather) must run all the same, once per forward."""
     from megatron_mok.megatron import MokMoELayer
     _setup(world_size)
-    os.environ["MOK_SHARED_EXPERT"] = "folded"
+    knobs.set_env("MOK_SHARED_EXPERT", "folded")
     model = _build("mok", 24)
-    os.environ.pop("MOK_SHARED_EXPERT")
+    knobs.set_env("MOK_SHARED_EXPERT", None)
     calls = []
     for layer in (m for m in model.modules() if isinstance(m, MokMoELayer)):
         assert layer._shared_weights is not None
@@ -346,7 +347,7 @@ def _hooks_fn(rank, world_size):
     assert len(calls) == 2 * expected  # two layers, every hook once
     # Configurations where MoELayer must run the shared expert itself.
     from megatron_mok.megatron.layer import expert_weight_list
-    os.environ["MOK_SHARED_EXPERT"] = "folded"
+    knobs.set_env("MOK_SHARED_EXPERT", "folded")
     layer = next(m for m in model.modules() if isinstance(m, MokMoELayer))
     fc1, fc2 = expert_weight_list(layer.experts)
     assert layer._foldable_shared_weights(fc1, fc2) is not None
@@ -357,7 +358,7 @@ def _hooks_fn(rank, world_size):
         setattr(layer.config, attr, value)
         assert layer._foldable_shared_weights(fc1, fc2) is None, attr
         setattr(layer.config, attr, before)
-    os.environ.pop("MOK_SHARED_EXPERT")
+    knobs.set_env("MOK_SHARED_EXPERT", None)
 
 
 @pytest.mark.slow

@@ -21,9 +21,8 @@ def test_the_knob_defaults_to_the_kernel_and_is_checked(monkeypatch):
         assert schedule.schedule_kernel_enabled(ids.cuda()) == ops.extension_available()
         monkeypatch.setenv("MOK_SCHEDULE", "torch")
         assert not schedule.schedule_kernel_enabled(ids.cuda())
-    monkeypatch.setenv("MOK_SCHEDULE", "cuda")
     with pytest.raises(ValueError, match="MOK_SCHEDULE"):
-        schedule.schedule_kernel_enabled(ids)
+        monkeypatch.setenv("MOK_SCHEDULE", "cuda")
 
 
 def _routing(ep, tokens, topk, experts, seed, drop=0.05, skew=False, bad=False):
@@ -53,21 +52,34 @@ def _routing(ep, tokens, topk, experts, seed, drop=0.05, skew=False, bad=False):
 ])
 def test_kernel_table_equals_the_tensor_ops(ep, tokens, topk, experts, capacity, skew, bad,
                                             monkeypatch):
-    from megatron_mok import ops
-    if not ops.extension_available():
-        pytest.skip("the extension is not built")
     ids = _routing(ep, tokens, topk, experts, seed=ep * 7 + tokens, skew=skew, bad=bad)
     local = experts // ep
     for rank in range(ep):
+        # The latched status (routing_errors) starts from an earlier error of another rank
+        # on half the ranks: the first error's details must stay.
+        status_ref = torch.zeros(16, dtype=torch.int32, device="cuda")
+        if rank % 2:
+            status_ref[0], status_ref[1:] = 3, torch.arange(1, 16)
+        status_got = status_ref.clone()
         monkeypatch.setenv("MOK_SCHEDULE", "torch")
-        ref = schedule.build_row_table(ids, rank, local, capacity, num_experts=experts)
+        ref = schedule.build_row_table(ids, rank, local, capacity, num_experts=experts,
+                                       status=status_ref, list_dropped=True)
         monkeypatch.setenv("MOK_SCHEDULE", "kernel")
         # The op runs wherever it applies (and is not silently skipped).
         assert schedule.schedule_kernel_enabled(ids, local, capacity) == (local <= 512)
         got = schedule.build_row_table(ids, rank, local, capacity,
-                                       num_experts=None if experts == ep * local else experts)
+                                       num_experts=None if experts == ep * local else experts,
+                                       status=status_got, list_dropped=True)
         for name in FIELDS:
             assert torch.equal(getattr(got, name), getattr(ref, name).int()), (rank, name)
+        assert torch.equal(status_got, status_ref), (rank, status_got, status_ref)
+        # The same dropped routes (the kernel lists them in any order).
+        count = int(ref.dropped[0])
+        assert int(got.dropped[0]) == count
+        assert torch.equal(got.dropped[1:1 + count].sort().values,
+                           ref.dropped[1:1 + count].sort().values)
+        if status_ref[0] & 1 and rank % 2 == 0:  # this rank's overflow, latched
+            assert status_ref[2] == ref.num_rows[0] and status_ref[6] == count > 0
         # The inverse map (route -> row) exists at EP = 1 only, written by the place kernel.
         if ep == 1:
             assert torch.equal(got.route_row, ref.route_row), rank

@@ -98,6 +98,25 @@ push_rows_kernel(const uint4* __restrict__ rows_in, const int64_t* __restrict__ 
   }
 }
 
+// The routes the row table dropped (dropped[0] of them in dropped[1..], flat route ids
+// of topk_idx_all [P, T, K]): their slot row and scalar on the source rank become zero,
+// so the source's combine adds nothing for them instead of a stale row of another pass.
+// Nothing to do (dropped[0] == 0) is the normal case: the CTAs return at once.
+__global__ void __launch_bounds__(kThreads)
+zero_dropped_routes_kernel(const int64_t* __restrict__ peer_base, int64_t slots_offset,
+                           int64_t scalar_offset, const int* __restrict__ dropped,
+                           int64_t routes_per_rank, int64_t vecs_per_row) {
+  const int count = dropped[0];
+  for (int i = blockIdx.x; i < count; i += gridDim.x) {
+    const int64_t route = dropped[1 + i];
+    const int rank = static_cast<int>(route / routes_per_rank);
+    const int64_t slot = route % routes_per_rank;  // token * K + k on that rank
+    uint4* dst = peer_ptr<uint4>(peer_base, rank, slots_offset) + slot * vecs_per_row;
+    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = make_uint4(0, 0, 0, 0);
+    if (threadIdx.x == 0) peer_ptr<float>(peer_base, rank, scalar_offset)[slot] = 0.f;
+  }
+}
+
 // out[p] = the bytes at peer p's buffer + offset, for every rank p.
 __global__ void gather_from_peers_kernel(const int64_t* __restrict__ peer_base, int64_t offset,
                                          int32_t* __restrict__ out, int64_t words_per_rank,
@@ -188,6 +207,24 @@ void push_rows(const at::Tensor& rows, const at::Tensor& peer_base, int64_t dst_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void zero_dropped_routes(const at::Tensor& peer_base, int64_t slots_offset,
+                         int64_t scalar_offset, const at::Tensor& dropped, int64_t num_tokens,
+                         int64_t topk, int64_t hidden) {
+  TORCH_CHECK_VALUE(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong,
+                    "peer_base must be a CUDA int64 vector");
+  TORCH_CHECK_VALUE(dropped.is_cuda() && dropped.scalar_type() == at::kInt &&
+                        dropped.is_contiguous() &&
+                        dropped.numel() == 1 + peer_base.numel() * num_tokens * topk,
+                    "dropped must be a contiguous CUDA int32 [1 + P * T * K] tensor");
+  TORCH_CHECK_VALUE(hidden % kVec == 0 && slots_offset % 16 == 0 && scalar_offset % 4 == 0,
+                    "H % 8 == 0 and aligned symmetric offsets");
+  const c10::cuda::CUDAGuard guard(dropped.device());
+  zero_dropped_routes_kernel<<<64, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      peer_base.data_ptr<int64_t>(), slots_offset, scalar_offset, dropped.data_ptr<int>(),
+      num_tokens * topk, hidden / kVec);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void gather_from_peers(const at::Tensor& peer_base, int64_t offset, const at::Tensor& out) {
   TORCH_CHECK_VALUE(peer_base.is_cuda() && peer_base.scalar_type() == at::kLong,
                     "peer_base must be a CUDA int64 vector");
@@ -213,6 +250,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("pull_rows", &pull_rows);
   m.impl("push_rows", &push_rows);
   m.impl("gather_from_peers", &gather_from_peers);
+  m.impl("zero_dropped_routes", &zero_dropped_routes);
 }
 
 }  // namespace megatron_mok

@@ -10,6 +10,7 @@
 #include "gemm/grouped_gemm.cuh"
 #include "gemm/pingpong.cuh"
 #include "gemm/host.cuh"
+#include "knobs.h"
 
 namespace megatron_mok {
 namespace {
@@ -24,28 +25,16 @@ using namespace gemm_host;
 
 // MOK_GEMM_SCHEDULER=static: CTA b takes tasks b, b + grid, ...; otherwise (default) tasks
 // come from a global counter zeroed before each launch (single-CTA clusters only).
-bool counter_scheduler() {
-  const char* env = std::getenv("MOK_GEMM_SCHEDULER");
-  return env == nullptr || std::string(env) != "static";
-}
+bool counter_scheduler() { return !knobs::current().static_scheduler; }
 
-int cluster_size() {
-  const char* env = std::getenv("MOK_GEMM_CLUSTER");
-  return env != nullptr && std::string(env) == "2" ? 2 : 1;
-}
+int cluster_size() { return knobs::current().cluster; }
 
 // MOK_GEMM_PINGPONG=1: fc2 / the dgrads on the ping-pong kernel (core v6, opt-in).
-bool pingpong() {
-  const char* env = std::getenv("MOK_GEMM_PINGPONG");
-  return env != nullptr && std::string(env) == "1";
-}
+bool pingpong() { return knobs::current().pingpong; }
 
 // MOK_DGRAD_H=global: the dgrad + SwiGLU-backward epilogue reads h from global memory (the
 // core before v5); otherwise the producer loads it through the operand ring.
-bool h_through_ring() {
-  const char* env = std::getenv("MOK_DGRAD_H");
-  return env == nullptr || std::string(env) != "global";
-}
+bool h_through_ring() { return !knobs::current().dgrad_h_global; }
 
 // Calls f(Cfg<1>{}) or f(Cfg<2>{}) by the cluster size.
 template <template <int> class Cfg, class F>

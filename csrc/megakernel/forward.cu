@@ -10,6 +10,7 @@
 #include "gemm/host.cuh"
 #include "megakernel/forward.cuh"
 #include "megakernel/launch.cuh"
+#include "knobs.h"
 
 namespace megatron_mok {
 namespace {
@@ -24,26 +25,17 @@ using Cfg2 = CfgRowsNT<1>;     // the core's fc2 tiles
 // MOK_MEGAKERNEL_GATHER = lines (default) | tma | rows: how direct mode gathers fc1's rows
 // (A/B measurements, docs/perf-notes.md: lines measured fastest at e77b681).
 int gather_mode() {
-  const char* env = std::getenv("MOK_MEGAKERNEL_GATHER");
-  const std::string mode = env == nullptr ? "lines" : env;
-  if (mode == "lines") return megakernel::kGatherLines;
-  if (mode == "tma") return megakernel::kGatherTma;
-  TORCH_CHECK(mode == "rows",
-              "megatron_mok: MOK_MEGAKERNEL_GATHER must be lines, tma or rows, got ",
-              mode);
-  return megakernel::kGatherRows;
+  switch (knobs::current().gather) {
+    case knobs::kGatherTma: return megakernel::kGatherTma;
+    case knobs::kGatherRows: return megakernel::kGatherRows;
+    default: return megakernel::kGatherLines;
+  }
 }
 
 // MOK_MOVER_WARPS = 1 | 2 | 4 | 8 (default): row movers (warps) per comm CTA. The rate
 // scales ~2x per doubling up to 4 and a further 0-25 % at 8 (docs/perf-notes.md,
 // megakernel v10-v11).
-int mover_warps() {
-  const char* env = std::getenv("MOK_MOVER_WARPS");
-  const std::string value = env == nullptr ? "8" : env;
-  TORCH_CHECK(value == "1" || value == "2" || value == "4" || value == "8",
-              "megatron_mok: MOK_MOVER_WARPS must be 1, 2, 4 or 8, got ", value);
-  return std::stoi(value);
-}
+int mover_warps() { return knobs::current().mover_warps; }
 
 // x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (one 128-byte row piece), 128B swizzle.
 cute::TmaDescriptor row_map(const at::Tensor& x) {

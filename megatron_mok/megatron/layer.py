@@ -14,6 +14,7 @@ here, naming the flag; nothing falls back silently.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Optional
 
@@ -22,14 +23,17 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.utils import log_single_rank
 
-from megatron_mok import shared_fold
+from megatron_mok import routing_errors, shared_fold
 from megatron_mok.config import MoKConfig
-from megatron_mok.functional import fused_moe
+from megatron_mok.functional import fused_moe, resolve_backend
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
 from megatron_mok.megatron.expert_weights import (reverse_local_experts, share_one_storage,
                                                   stack_experts)
+
+logger = logging.getLogger(__name__)
 
 # (config attribute, unsupported when, Megatron flag to change)
 _UNSUPPORTED = (
@@ -107,6 +111,7 @@ class MokMoELayer(MoELayer):
         self._weights_in_place = (share_one_storage([*fc1, *shared1])
                                   & share_one_storage([*fc2, *shared2]))
         self._accumulators = (None, None)  # built once per set of main_grad buffers
+        self._backend_logged = False
         self._reverse = None  # experts stacked backwards (decided at the first forward)
         # Modules whose weights the fused pass reads but whose forward never runs.
         self._weight_modules = list(self.experts.modules())
@@ -153,6 +158,13 @@ class MokMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
+        if not self._backend_logged:
+            self._backend_logged = True
+            backend = resolve_backend(self.mok_config, hidden_states.device, hidden_states.dtype)
+            log_single_rank(logger, logging.INFO,
+                            f"megatron_mok: MoE layer {self.layer_number} runs the {backend} "
+                            f"backend on {hidden_states.device} ({hidden_states.dtype})")
+        install_step_check(self.config)
         self._run_weight_modules_pre_hooks()
         fc1, fc2 = expert_weight_list(self.experts)
         reverse = self._experts_backwards(fc1, fc2)
@@ -241,6 +253,24 @@ class MokMoELayer(MoELayer):
             self._accumulators = (None, None)
             return None
         return self._accumulators
+
+
+def install_step_check(config) -> None:
+    """Raise a routing error latched by any pass of the step before the optimizer applies
+    the step (routing_errors): Megatron calls config.finalize_model_grads_func after the
+    last backward of every step, right before optimizer.step() synchronises anyway; the
+    check waits there for the last schedule's status copy. Installed once per config."""
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if finalize is None or getattr(finalize, "mok_checks_routing", False):
+        return
+
+    def finalize_then_check(*args, **kwargs):
+        result = finalize(*args, **kwargs)
+        routing_errors.check(wait=True)
+        return result
+
+    finalize_then_check.mok_checks_routing = True
+    config.finalize_model_grads_func = finalize_then_check
 
 
 def _mark_added(params) -> None:
