@@ -8,7 +8,7 @@ PYTHON312 ?= $(shell scripts/find_python312.sh)
 DEPS      := torch==2.11.0 "megatron-core>=0.19,<0.20" nvidia-cutlass==4.2.0.0 ninja numpy pytest psutil
 CSRC      := $(shell find csrc -type f)
 
-.PHONY: install demo test test-gpu gpu-check clean
+.PHONY: install demo test test-gpu gpu-check clean reliability
 
 $(VENV)/.deps:
 	@test -n "$(PYTHON312)" || { echo "need Python >= 3.12 (set PYTHON312=...)"; exit 1; }
@@ -35,3 +35,8 @@ test-gpu: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron_mok/_C*.so
+
+# The reliability suite (docs/reliability.md): its CPU half anywhere, its GPU half
+# (fuzz, overflow at EP 2/4/8, watchdog, soak, CUDA graphs) where a GPU is present.
+reliability: install
+	$(PY) -m pytest -q -ra tests/reliability
