@@ -17,6 +17,7 @@ Backends: "reference" (megatron_mok.reference, pure PyTorch, any device) and
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import torch
@@ -170,12 +171,33 @@ def backward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: MoKFo
     return MoKGrads(*grads)
 
 
-def synchronize(ws: MoKWorkspace) -> None:
+def synchronize(ws: MoKWorkspace, timeout_s: Optional[float] = None) -> None:
     """Wait for the device; if a watchdog trapped (a peer never arrived), raise a
-    RuntimeError carrying where it was stuck instead of the bare CUDA error."""
+    RuntimeError carrying where it was stuck instead of the bare CUDA error. The host
+    waits at most timeout_s (default: twice the device watchdog's timeout plus 10 s):
+    past it, a RuntimeError says so (with the watchdog record if one was written) rather
+    than the host hanging on a device that never finishes."""
+    if timeout_s is None and ws.arena is not None:
+        timeout_s = 2 * ws.arena.WATCHDOG_TIMEOUT_MS / 1000 + 10
     try:
+        if timeout_s is None:
+            torch.cuda.synchronize(ws.device)
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(ws.device))
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                report = ws.arena.watchdog_report() if ws.arena is not None else None
+                raise RuntimeError(
+                    f"megatron_mok watchdog: rank {ws.ep_rank}: the device did not finish "
+                    f"within {timeout_s:.0f} s" + (f"; {report}" if report else
+                                                  " (no device watchdog record)"))
+            time.sleep(0.001)
         torch.cuda.synchronize(ws.device)
     except RuntimeError as err:
+        if str(err).startswith("megatron_mok watchdog"):
+            raise
         report = ws.arena.watchdog_report() if ws.arena is not None else None
         if report:
             raise RuntimeError(report) from err

@@ -125,8 +125,8 @@ def build_row_table(topk_idx_all: torch.Tensor, ep_rank: int, num_local_experts:
     route_src.scatter_(0, row, torch.where(keep, order, torch.full_like(order, -1)))
     route_src = route_src[:capacity]
     valid = route_src >= 0
-    peer_rank = torch.where(valid, route_src // (num_tokens * topk), -1)
-    peer_token = torch.where(valid, route_src // topk % num_tokens, -1)
+    peer_rank = torch.where(valid, route_src // max(1, num_tokens * topk), -1)
+    peer_token = torch.where(valid, route_src // topk % max(1, num_tokens), -1)
     peer_k = torch.where(valid, route_src % topk, -1)
     num_rows = offsets[-1:]
     invalid_routes = (flat < -1) | (flat >= num_experts)
@@ -173,10 +173,12 @@ def _latch_errors(status, num_rows, capacity, counts, padded, offsets, flat, inv
         torch.full_like(busiest, num_tokens), torch.full_like(busiest, topk),
         torch.full_like(busiest, num_local)]).int()
     bad = invalid_routes.sum()
-    first = torch.argmax(invalid_routes.int())  # the lowest invalid route
+    # The lowest invalid route (a spare valid entry keeps argmax defined with no routes).
+    first = torch.argmax(torch.cat([invalid_routes.int(), invalid_routes.new_ones(1).int()]))
+    first = torch.minimum(first, torch.tensor(max(flat.numel() - 1, 0), device=flat.device))
     invalid_record = torch.stack([
-        first // (num_tokens * topk), first // topk % num_tokens, first % topk, flat[first],
-        bad]).int()
+        first // max(1, num_tokens * topk), first // max(1, topk) % max(1, num_tokens),
+        first % max(1, topk), flat[first] if flat.numel() else first, bad]).int()
     bits = status[rs.BITS]
     new_over = over & (bits & rs.OVERFLOW == 0)
     new_invalid = (bad > 0) & (bits & rs.INVALID_IDS == 0)

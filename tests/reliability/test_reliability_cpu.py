@@ -296,3 +296,10 @@ def test_nan_in_x_stays_in_its_token():
     y = mok.fused_moe(**inputs)
     assert torch.isnan(y[5]).all()
     assert torch.isfinite(torch.cat([y[:5], y[6:]])).all()
+
+
+def test_a_routing_without_tokens_latches_nothing():
+    status = _status()
+    sched = schedule.build_row_table(torch.zeros(2, 0, 4, dtype=torch.int32), 1, 8, 128,
+                                     status=status, list_dropped=True)
+    assert status.abs().sum() == 0 and int(sched.num_rows) == 0 and int(sched.dropped[0]) == 0
