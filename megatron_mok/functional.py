@@ -27,7 +27,7 @@ from megatron_mok.backend import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table
-from megatron_mok.validation import check_expert_ids, check_moe_inputs
+from megatron_mok.validation import check_expert_ids, check_kernel_dims, check_moe_inputs
 from megatron_mok.workspace import MoKWorkspace, clear_workspace_cache, create_workspace, \
     get_workspace
 
@@ -272,6 +272,8 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     ws = get_workspace(config, group, device=x.device, num_local_tokens=x.shape[0],
                        hidden_size=x.shape[1], topk=topk_idx.shape[1],
                        num_local_experts=w1.shape[0], dtype=x.dtype)
+    if ws.arena is not None:  # before the schedule's launches
+        check_kernel_dims(intermediate_size=w1.shape[1] // 2)
     sched = build_schedule(ws, config, topk_idx)
     return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute,
                              accumulators)

@@ -70,6 +70,16 @@ def check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1=None, shared_w2=None
         check_expert_ids(topk_idx, num_local_experts * ep_size)
 
 
+def check_kernel_dims(**sizes: int) -> None:
+    """The kernel backend's sizes (H, I): positive multiples of 8 (TMA moves rows of
+    16-byte multiples). Checked before its first launch."""
+    for name, value in sizes.items():
+        if value <= 0 or value % 8:
+            raise ValueError(f"megatron_mok: the kernel backend needs {name} to be a positive "
+                             f"multiple of 8, got {value}; use backend='reference' for "
+                             f"other sizes")
+
+
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
     """Every id must be in [-1, num_experts). Reads the data (a host sync on GPU)."""
     if topk_idx.numel() == 0:

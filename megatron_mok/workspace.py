@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_mok.backend import resolve_backend
 from megatron_mok.config import MoKConfig, schedule_capacity
-from megatron_mok.validation import check_same_shape_across_ranks
+from megatron_mok.validation import check_kernel_dims, check_same_shape_across_ranks
 
 
 @dataclasses.dataclass
@@ -188,6 +188,7 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
     if symmetric:
         from megatron_mok.megakernel import counters_size
 
+        check_kernel_dims(hidden_size=hidden_size)
         arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,
                                topk, dtype)
         counters = torch.zeros(counters_size(capacity), dtype=torch.int32, device=device)

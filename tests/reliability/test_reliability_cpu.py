@@ -303,3 +303,12 @@ def test_a_routing_without_tokens_latches_nothing():
     sched = schedule.build_row_table(torch.zeros(2, 0, 4, dtype=torch.int32), 1, 8, 128,
                                      status=status, list_dropped=True)
     assert status.abs().sum() == 0 and int(sched.num_rows) == 0 and int(sched.dropped[0]) == 0
+
+
+def test_kernel_sizes_are_checked_before_any_launch():
+    from megatron_mok.validation import check_kernel_dims
+    check_kernel_dims(hidden_size=2880, intermediate_size=64)
+    for bad in (100, 0, 2884):
+        with pytest.raises(ValueError, match=f"hidden_size to be a positive multiple of 8, "
+                                             f"got {bad}"):
+            check_kernel_dims(hidden_size=bad)
