@@ -106,6 +106,12 @@ def test_config_flag_and_megatron_argument():
     parser = add_mok_args(argparse.ArgumentParser())
     assert mok_config_from_args(parser.parse_args([])).autotune
     assert not mok_config_from_args(parser.parse_args(["--mok-no-autotune"])).autotune
+    # Upstream Megatron-LM's MoK knob names are aliases of ours.
+    config = mok_config_from_args(parser.parse_args([
+        "--mok-fwd-num-comm-sms", "8", "--mok-bwd-num-comm-sms", "4",
+        "--mok-schedule-capacity-multiplier", "0.9"]))
+    assert (config.fwd_num_comm_sms, config.bwd_num_comm_sms,
+            config.schedule_capacity_multiplier) == (8, 4, 0.9)
 
 
 def test_backward_plan_precedence_env_over_cache_over_default(monkeypatch):

@@ -318,8 +318,9 @@ def test_unsupported_megatron_configs_fail_naming_the_flag(kwargs, flag):
                 moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
                 add_bias_linear=False, moe_token_dispatcher_type="mok")
     config = TransformerConfig(**{**base, **kwargs})
-    with pytest.raises(ValueError, match=flag):
+    with pytest.raises(ValueError, match=flag) as err:
         check_mok_supported(config)
+    assert "; pass " in str(err.value)  # every refusal says what to pass instead
     check_mok_supported(TransformerConfig(**base))
 
 

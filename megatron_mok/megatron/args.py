@@ -30,21 +30,23 @@ def register_mok_dispatcher_type() -> None:
 
 
 def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron `extra_args_provider`: the MoKConfig knobs as `--mok-*` flags."""
+    """Megatron `extra_args_provider`: the MoKConfig knobs as `--mok-*` flags (upstream
+    Megatron-LM's MoK knob names, `--mok-fwd-num-comm-sms` etc., are accepted too)."""
     defaults = MoKConfig()
     group = parser.add_argument_group(title="megatron_mok")
     group.add_argument("--mok-backend", choices=BACKENDS, default=defaults.backend,
                        help="Backend of the fused MoE pass: auto picks the kernel where the "
                             "GPU supports it, else the PyTorch reference.")
-    group.add_argument("--mok-fwd-comm-sms", type=int, default=defaults.fwd_num_comm_sms,
+    group.add_argument("--mok-fwd-comm-sms", "--mok-fwd-num-comm-sms", type=int, default=defaults.fwd_num_comm_sms,
                        help="SMs running communication CTAs in the forward megakernel.")
-    group.add_argument("--mok-bwd-comm-sms", type=int, default=defaults.bwd_num_comm_sms,
+    group.add_argument("--mok-bwd-comm-sms", "--mok-bwd-num-comm-sms", type=int, default=defaults.bwd_num_comm_sms,
                        help="SMs running communication CTAs in the backward megakernel.")
     group.add_argument("--mok-minibatch-size", type=int, default=defaults.minibatch_size,
                        help="Rows per readiness counter (comm/compute overlap granularity).")
     group.add_argument("--mok-macrobatch-size", type=int, default=defaults.macrobatch_size,
                        help="Rows of the routed-activation ring buffer.")
-    group.add_argument("--mok-capacity-multiplier", type=float,
+    group.add_argument("--mok-capacity-multiplier", "--mok-schedule-capacity-multiplier",
+                       type=float,
                        default=defaults.schedule_capacity_multiplier,
                        help="Worst-case fraction of all EP routes landing on one rank "
                             "(sizes the row table; overflow raises).")

@@ -35,36 +35,46 @@ from megatron_mok.megatron.expert_weights import (reverse_local_experts, share_o
 
 logger = logging.getLogger(__name__)
 
-# (config attribute, unsupported when, Megatron flag to change)
+# (config attribute, unsupported when, what is not supported, what to pass instead)
 _UNSUPPORTED = (
     ("expert_tensor_parallel_size", lambda v: (v or 1) > 1,
-     "--expert-tensor-parallel-size (expert TP > 1; pass --expert-tensor-parallel-size 1)"),
-    ("moe_latent_size", bool, "--moe-latent-size (latent MoE)"),
-    ("add_bias_linear", bool, "--add-bias-linear (expert biases; use --disable-bias-linear)"),
-    ("gated_linear_unit", lambda v: not v, "--swiglu (the experts must be SwiGLU)"),
+     "--expert-tensor-parallel-size > 1 (expert TP)", "--expert-tensor-parallel-size 1"),
+    ("moe_latent_size", bool, "--moe-latent-size (latent MoE)",
+     "no --moe-latent-size, or another dispatcher (--moe-token-dispatcher-type alltoall)"),
+    ("add_bias_linear", bool, "--add-bias-linear (expert biases)", "--disable-bias-linear"),
+    ("gated_linear_unit", lambda v: not v, "non-GLU experts (GeLU, squared-ReLU)",
+     "--swiglu, or another dispatcher for non-GLU experts"),
     ("activation_func_clamp_value", lambda v: v is not None,
-     "--activation-func-clamp-value (clamped SwiGLU)"),
-    ("glu_linear_offset", bool, "--glu-linear-offset"),
-    ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input"),
-    ("moe_pad_expert_input_to_capacity", bool, "--moe-pad-expert-input-to-capacity"),
-    ("moe_shared_expert_overlap", bool, "--moe-shared-expert-overlap"),
-    ("overlap_moe_expert_parallel_comm", bool, "--overlap-moe-expert-parallel-comm"),
+     "--activation-func-clamp-value (clamped SwiGLU)", "no --activation-func-clamp-value"),
+    ("glu_linear_offset", bool, "--glu-linear-offset", "no --glu-linear-offset"),
+    ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input",
+     "no --moe-apply-probs-on-input (mok applies the router weights in its combine)"),
+    ("moe_pad_expert_input_to_capacity", bool, "--moe-pad-expert-input-to-capacity",
+     "no --moe-pad-expert-input-to-capacity (mok pads per expert itself)"),
+    ("moe_shared_expert_overlap", bool, "--moe-shared-expert-overlap",
+     "no --moe-shared-expert-overlap (MOK_SHARED_EXPERT=folded runs it inside the pass)"),
+    ("overlap_moe_expert_parallel_comm", bool, "--overlap-moe-expert-parallel-comm",
+     "no --overlap-moe-expert-parallel-comm (the fused pass overlaps its own NVLink traffic)"),
     ("overlap_dispatch_backward_with_experts_wgrad", bool,
-     "--overlap-dispatch-backward-with-experts-wgrad"),
-    ("delay_wgrad_compute", bool, "--delay-wgrad-compute"),
-    ("fp8", bool, "--fp8-format (FP8/MXFP8 training is not in this version of mok; BF16 only)"),
-    ("fp4", bool, "--fp4-format"),
+     "--overlap-dispatch-backward-with-experts-wgrad",
+     "no --overlap-dispatch-backward-with-experts-wgrad"),
+    ("delay_wgrad_compute", bool, "--delay-wgrad-compute", "no --delay-wgrad-compute"),
+    ("fp8", bool, "--fp8-format (FP8 training is not in this version of mok)",
+     "BF16 (no --fp8-format) for the MoE layers, or another dispatcher"),
+    ("fp4", bool, "--fp4-format (FP4 training)", "no --fp4-format"),
 )
 
 
 def check_mok_supported(config) -> None:
     """Raise ValueError naming the first flag the fused pass does not support."""
-    for attr, unsupported, flag in _UNSUPPORTED:
+    for attr, unsupported, what, instead in _UNSUPPORTED:
         if unsupported(getattr(config, attr, None)):
-            raise ValueError(f"--moe-token-dispatcher-type mok does not support {flag}")
+            raise ValueError(f"--moe-token-dispatcher-type mok does not support {what}; "
+                             f"pass {instead}")
     if config.activation_func is not F.silu:
-        raise ValueError("--moe-token-dispatcher-type mok needs SwiGLU experts (--swiglu); got "
-                         f"activation {getattr(config.activation_func, '__name__', '?')}")
+        raise ValueError("--moe-token-dispatcher-type mok needs SwiGLU experts; got activation "
+                         f"{getattr(config.activation_func, '__name__', '?')}: pass --swiglu, "
+                         f"or another dispatcher for other activations")
 
 
 def expert_weight_list(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
