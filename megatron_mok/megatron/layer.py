@@ -73,7 +73,7 @@ def check_mok_supported(config) -> None:
                              f"pass {instead}")
     if config.activation_func is not F.silu:
         raise ValueError("--moe-token-dispatcher-type mok needs SwiGLU experts; got activation "
-                         f"{getattr(config.activation_func, '__name__', '?')}: pass --swiglu, "
+                         f"{getattr(config.activation_func, '__name__', '?')}; pass --swiglu, "
                          f"or another dispatcher for other activations")
 
 
