@@ -1,4 +1,4 @@
-"""Fill the autotune cache (megatron_mok.autotune) for the ep8-proxy shapes on this GPU:
+"""Fill the autotune cache (megatron_mok.kernels.autotune) for the ep8-proxy shapes on this GPU:
 time every forward plan (launch chain, direct megakernel x minibatch, comm megakernel x
 comm SMs x minibatch) and store the fastest per (GPU, shape); with --backward also every
 backward dgrad plan (launch chain, backward megakernel x minibatch).
@@ -21,7 +21,7 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.layer import REPO, run_metadata
 from benchmarks.megakernel import make_case
-from megatron_mok import autotune
+from megatron_mok.kernels import autotune, tuning
 from megatron_mok.functional import clear_workspace_cache
 
 
@@ -43,22 +43,22 @@ def main(argv=None) -> int:
         for tokens in [int(t) for t in args.tokens.split(",")]:
             local = S.ep8_proxy(S.get_shape(name))
             ws, sched, x, w1, w2 = make_case(local, tokens, args.routing, device)
-            best, timings = autotune.tune(ws, sched, x, w1, w2, warmup=args.warmup,
+            best, timings = tuning.tune(ws, sched, x, w1, w2, warmup=args.warmup,
                                           iters=args.iters)
             key = autotune.workspace_key(ws, local.inter)
             results[key] = {"best": best.__dict__, "timings_ms": timings}
             fastest = min(timings.values())
-            print(f"{name:14s} T={tokens:5d} best {autotune._name(best):32s} {fastest:8.3f} ms "
+            print(f"{name:14s} T={tokens:5d} best {autotune.plan_name(best):32s} {fastest:8.3f} ms "
                   f"(launches {timings['launches']:.3f} ms)")
             if args.backward:
                 gen = torch.Generator(device=device).manual_seed(args.seed + 1)
                 topk_w = torch.rand(tokens, local.topk, generator=gen, device=device)
                 dy = torch.randn(tokens, local.hidden, generator=gen, device=device).bfloat16()
-                best_b, timings_b = autotune.tune_backward(ws, sched, x, topk_w, w1, w2, dy,
+                best_b, timings_b = tuning.tune_backward(ws, sched, x, topk_w, w1, w2, dy,
                                                            warmup=args.warmup, iters=args.iters)
                 results[autotune.backward_key(ws, local.inter)] = {
                     "best": best_b.__dict__, "timings_ms": timings_b}
-                print(f"{'':14s} {'bwd':7s} best {autotune._backward_name(best_b):32s} "
+                print(f"{'':14s} {'bwd':7s} best {autotune.backward_plan_name(best_b):32s} "
                       f"{min(timings_b.values()):8.3f} ms (launches "
                       f"{timings_b['launches']:.3f} ms)")
             clear_workspace_cache()

@@ -1,4 +1,4 @@
-"""Grouped-GEMM core benchmark: our Hopper kernels (megatron_mok.grouped_gemm) vs the
+"""Grouped-GEMM core benchmark: our Hopper kernels (megatron_mok.kernels.grouped_gemm) vs the
 `torch._grouped_mm` path that GPU backend v1 used, side by side on the same row table.
 
     python -m benchmarks.gemm [--shapes a,b] [--tokens 8192] [--routing balanced]
@@ -32,11 +32,18 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.layer import (FLUSH_BYTES, REPO, Timer, measure_dense_peak, rel_l2,
                               run_metadata)
-from megatron_mok import grouped_gemm as gg
-from megatron_mok.kernel_backend import _swiglu as swiglu
-from megatron_mok.kernel_backend import _swiglu_backward as swiglu_bwd
+from megatron_mok import activations, knobs
+from megatron_mok.kernels import grouped_gemm as gg
 from megatron_mok.schedule import build_row_table
-from megatron_mok import knobs
+
+
+def swiglu(h):  # the torch baseline's SwiGLU, rounded to h's dtype as the core's epilogue does
+    return activations.swiglu(h).to(h.dtype)
+
+
+def swiglu_bwd(h, d_act):
+    return activations.swiglu_backward(h, d_act).to(h.dtype)
+
 
 STAGES = ("fwd", "dgrad", "wgrad")
 

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import shapes as S
+from megatron_mok.reference import rel_l2
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("mok", "torch-unfused", "megatron-alltoall")
@@ -231,11 +232,6 @@ def make_case(local: S.LocalShape, num_tokens: int, routing: str, device, seed: 
     return CaseInputs(x, idx, w, dy)
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 # ----------------------------------------------------------------------------------------
 # Backends
 # ----------------------------------------------------------------------------------------
@@ -295,12 +291,12 @@ class MokBackend(Backend):
                                                    weights.w1.dtype)
         self.info = {"mok_backend": self.resolved, "mok_backend_requested": mok_backend}
         if self.resolved == "kernel":  # which expert-GEMM engine ran (MOK_GEMM_CORE)
-            from megatron_mok.kernel_backend import gemm_core
+            from megatron_mok.kernels.backend import gemm_core
             self.info["gemm_core"] = gemm_core()
             self.info["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
             # Which forward path ran: MOK_FORWARD, else the autotune cache's plan, else the
-            # launch chain (megatron_mok.autotune.forward_plan).
-            from megatron_mok import autotune
+            # launch chain (megatron_mok.kernels.autotune.forward_plan).
+            from megatron_mok.kernels import autotune
             self.info["mok_forward"] = os.environ.get("MOK_FORWARD", "auto")
             self.info["mok_backward"] = os.environ.get("MOK_BACKWARD", "launches")
             self.info["mok_ep1_combine"] = os.environ.get("MOK_EP1_COMBINE", "rows")

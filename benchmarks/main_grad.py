@@ -30,7 +30,7 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.gemm import make_case
 from benchmarks.layer import FLUSH_BYTES, REPO, Timer, measure_dense_peak, rel_l2, run_metadata
-from megatron_mok import grouped_gemm as gg
+from megatron_mok.kernels import grouped_gemm as gg
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 
 HBM_TBPS = 4.8  # H200 HBM3e

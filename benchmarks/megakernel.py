@@ -30,7 +30,7 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.layer import REPO, Timer, measure_dense_peak, run_metadata
 from megatron_mok import functional as mok
-from megatron_mok import kernel_backend, megakernel
+from megatron_mok.kernels import launch_chain, megakernel
 from megatron_mok.config import MoKConfig
 from megatron_mok import knobs
 
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         def chain(core):
             knobs.set_env("MOK_GEMM_CORE", core)
             try:
-                return kernel_backend._expert_launches(ws, sched, w1, w2, local.hidden, False)
+                return launch_chain.expert_launches(ws, sched, w1, w2, local.hidden, False)
             finally:
                 knobs.set_env("MOK_GEMM_CORE", None)
 

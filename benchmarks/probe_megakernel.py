@@ -25,7 +25,7 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.layer import REPO, run_metadata
 from benchmarks.megakernel import make_case
-from megatron_mok import megakernel
+from megatron_mok.kernels import megakernel
 from megatron_mok import knobs
 
 # One 128 x 256 x 64 K step of a CTA tile at Hopper's dense BF16 rate (4 096 FLOP/clk/SM).

@@ -17,7 +17,7 @@ import torch
 
 from benchmarks import shapes as S
 from benchmarks.megakernel import make_case
-from megatron_mok import megakernel
+from megatron_mok.kernels import megakernel
 from megatron_mok import knobs
 
 

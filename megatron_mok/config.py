@@ -27,7 +27,7 @@ class MoKConfig:
         "reference" (pure PyTorch spec) or "kernel" (the compiled Hopper backend).
     debug_checks: validate routing values eagerly (host sync) even on the kernel
         backend, instead of only through the device-side error flag.
-    autotune: use the cached per-(GPU, shape) forward plan of megatron_mok.autotune
+    autotune: use the cached per-(GPU, shape) forward plan of megatron_mok.kernels.autotune
         (path, comm SMs, minibatch) when there is one, instead of the knobs above.
     main_grad_fusion: in Megatron, add the expert weights' gradients straight into their
         `main_grad` (megatron_mok.grad_accumulation): "auto" follows Megatron's

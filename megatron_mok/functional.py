@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import kernel_backend, reference, routing_errors, shared_fold
-from megatron_mok.backend import resolve_backend
+from megatron_mok import reference, routing_errors, shared_fold
+from megatron_mok.kernels import backend as kernel_backend
+from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table

@@ -1,7 +1,7 @@
 """The MOK_* environment knobs (A/B switches of the kernel backend, docs/knobs.md), read
 and validated once: at import, and again only when `reload()` is called (tests and
 benchmarks that switch a knob mid-process). The C++ launchers get their knobs from here
-(`set_knobs` op) instead of reading the environment per launch, so a bad value is the
+(`set_knobs` op, pushed by kernels.ops through `on_reload`) instead of reading the environment per launch, so a bad value is the
 same clear ValueError on both sides, raised before any kernel runs.
 """
 
@@ -102,17 +102,19 @@ def plan_signature() -> str:
     return ",".join(f"{n}={_VALUES[n]}" for n in PLAN_KNOBS if _VALUES[n] != KNOBS[n].default)
 
 
-def _push_to_extension() -> None:
-    from megatron_mok import ops  # the extension registers set_knobs when built
+_LISTENERS: list = []
 
-    if not ops.extension_available() or not ops.has_op("set_knobs"):
-        return
-    import torch
-    torch.ops.megatron_mok.set_knobs(
-        _VALUES["MOK_GEMM_SCHEDULER"] == "static", int(_VALUES["MOK_GEMM_CLUSTER"]),
-        _VALUES["MOK_GEMM_PINGPONG"] == "1", _VALUES["MOK_DGRAD_H"] == "global",
-        ("lines", "tma", "rows").index(_VALUES["MOK_MEGAKERNEL_GATHER"]),
-        int(_VALUES["MOK_MOVER_WARPS"]))
+
+def on_reload(listener: Callable[[dict], None]) -> None:
+    """Call `listener(values)` now and after every reload: how the extension's loader
+    (kernels.ops) hands the C++ launchers their knobs without this module importing it."""
+    _LISTENERS.append(listener)
+    listener(dict(_VALUES))
+
+
+def _push_to_extension() -> None:
+    for listener in _LISTENERS:
+        listener(dict(_VALUES))
 
 
 reload()

@@ -77,7 +77,7 @@ def schedule_kernel_enabled(topk_idx_all: torch.Tensor, num_local_experts: int =
         return False
     if num_local_experts > KERNEL_MAX_LOCAL_EXPERTS or capacity % TILE_M:
         return False
-    from megatron_mok import ops  # loads the extension (its ops register on import)
+    from megatron_mok.kernels import ops  # loads the extension (its ops register on import)
     return ops.extension_available() and hasattr(torch.ops.megatron_mok, "build_row_table")
 
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mok.backend import resolve_backend
+from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig, schedule_capacity
 from megatron_mok.validation import check_kernel_dims, check_same_shape_across_ranks
 
@@ -99,7 +99,7 @@ class SymmetricArena:
         """EP-group barrier on the current stream (no host sync); no-op at EP 1."""
         if self.ep_size == 1:
             return
-        from megatron_mok import ops
+        from megatron_mok.kernels import ops
         ops.ep_barrier(self.peer_base, self.offset("flags"), self.epoch, self.ep_rank,
                        self.watchdog, self.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms)
 
@@ -186,7 +186,7 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
     arena = counters = None
     capacity = schedule_capacity(config, num_local_tokens, topk, ep_size, num_local_experts)
     if symmetric:
-        from megatron_mok.megakernel import counters_size
+        from megatron_mok.kernels.megakernel import counters_size
 
         check_kernel_dims(hidden_size=hidden_size)
         arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,

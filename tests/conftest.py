@@ -10,7 +10,7 @@ def pytest_collection_modifyitems(config, items):
     """GPU tests skip without a GPU; on a GPU machine whose extension did not load they
     fail, loudly, instead of skipping (a broken build must not pass as 'no GPU')."""
     if torch.cuda.is_available():
-        from megatron_mok import ops
+        from megatron_mok.kernels import ops
         if not ops.extension_available():
             broken = pytest.mark.usefixtures("_extension_must_load")
             for item in items:
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def _extension_must_load():
-    from megatron_mok import ops
+    from megatron_mok.kernels import ops
     pytest.fail(f"a GPU is present but {ops.EXTENSION_ERROR}: rebuild the extension "
                 f"(make install) before running the GPU tests")
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from megatron_mok import autotune, megakernel
+from megatron_mok.kernels import autotune, megakernel
 from megatron_mok.config import MoKConfig
 
 
@@ -19,9 +19,9 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.delenv("MOK_FORWARD", raising=False)
     monkeypatch.delenv("MOK_BACKWARD", raising=False)
     monkeypatch.delenv("MOK_BACKWARD_MINIBATCH", raising=False)
-    autotune._LOADED.clear()
+    autotune.forget_cache()
     yield
-    autotune._LOADED.clear()
+    autotune.forget_cache()
 
 
 def _ws(ep_size=1, hidden=2048):
@@ -38,7 +38,7 @@ def test_plan_key_names_gpu_and_shape():
 def test_store_then_lookup_from_disk():
     plan = autotune.ForwardPlan("megakernel", 0, 2048)
     autotune.store("k", plan, {"launches": 1.5, "megakernel-direct/mb2048": 1.2})
-    autotune._LOADED.clear()  # a new process reads the file
+    autotune.forget_cache()  # a new process reads the file
     assert autotune.lookup("k") == plan
     assert autotune.lookup("other") is None
 
@@ -121,7 +121,7 @@ def test_backward_plan_precedence_env_over_cache_over_default(monkeypatch):
     assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, True) == launches  # default
     cached = autotune.BackwardPlan("megakernel", 4096)
     autotune.store(autotune.backward_key(ws, 768), cached, {"launches": 2.0})
-    autotune._LOADED.clear()  # from disk, next to the forward's entries
+    autotune.forget_cache()  # from disk, next to the forward's entries
     assert autotune.backward_key(ws, 768) == autotune.workspace_key(ws, 768) + "|bwd"
     assert autotune.backward_plan(ws, 768, MoKConfig(), bf16, True) == cached
     assert autotune.backward_plan(ws, 768, MoKConfig(autotune=False), bf16, True) == launches

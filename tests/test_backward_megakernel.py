@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_mok import functional as mok
-from megatron_mok import grouped_gemm, kernel_backend, megakernel, ops
+from megatron_mok.kernels import grouped_gemm, backend as kernel_backend, megakernel, ops
 from megatron_mok.config import MoKConfig
 from moe_inputs import make_moe_inputs, rel_l2
 
@@ -237,10 +237,10 @@ def test_gradients_independent_of_minibatch_and_run(minibatch, monkeypatch):
 
 
 def test_backward_autotune_stores_a_plan_the_backward_then_runs(monkeypatch, tmp_path):
-    from megatron_mok import autotune
+    from megatron_mok.kernels import autotune, tuning
     monkeypatch.setenv("MOK_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
     monkeypatch.delenv("MOK_BACKWARD", raising=False)
-    autotune._LOADED.clear()
+    autotune.forget_cache()
     inputs = _inputs(2048, 768, 16, 8, tokens=1024, seed=11)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     chain = _training_step(inputs, dy)  # no plan cached yet: the launch chain
@@ -249,10 +249,10 @@ def test_backward_autotune_stores_a_plan_the_backward_then_runs(monkeypatch, tmp
     sched = mok.build_schedule(ws, KERNEL, inputs["topk_idx"])
     plans = [autotune.BackwardPlan("launches", 0), autotune.BackwardPlan("megakernel", 1024)]
     for forced in plans:  # store each plan in turn: the backward follows the cache
-        best, timings = autotune.tune_backward(ws, sched, inputs["x"], inputs["topk_w"],
+        best, timings = tuning.tune_backward(ws, sched, inputs["x"], inputs["topk_w"],
                                                inputs["w1"], inputs["w2"], dy, plans=[forced],
                                                iters=2)
-        assert best == forced and set(timings) == {autotune._backward_name(forced)}
+        assert best == forced and set(timings) == {autotune.backward_plan_name(forced)}
         calls = []
         moe_backward = megakernel.moe_backward
         monkeypatch.setattr(megakernel, "moe_backward",
@@ -263,9 +263,9 @@ def test_backward_autotune_stores_a_plan_the_backward_then_runs(monkeypatch, tmp
         assert calls == ([1024] if forced.path == "megakernel" else [])
         for name in chain:
             assert torch.equal(step[name], chain[name]), (forced, name)
-    best, timings = autotune.tune_backward(ws, sched, inputs["x"], inputs["topk_w"],
+    best, timings = tuning.tune_backward(ws, sched, inputs["x"], inputs["topk_w"],
                                            inputs["w1"], inputs["w2"], dy, iters=3)
-    assert set(timings) == {autotune._backward_name(p) for p in autotune.backward_candidates()}
+    assert set(timings) == {autotune.backward_plan_name(p) for p in autotune.backward_candidates()}
     print("backward autotune:", timings, "best", best)
 
 
@@ -274,7 +274,8 @@ def test_backward_autotune_stores_a_plan_the_backward_then_runs(monkeypatch, tmp
 _SETUP = r"""
 import sys, threading, torch
 sys.path.insert(0, {tests!r})
-from megatron_mok import functional as mok, grouped_gemm, megakernel
+from megatron_mok import functional as mok
+from megatron_mok.kernels import grouped_gemm, megakernel
 from megatron_mok.config import MoKConfig
 from moe_inputs import make_moe_inputs
 cfg = MoKConfig(backend="kernel")

@@ -5,7 +5,8 @@ import shutil
 import pytest
 import torch
 
-from megatron_mok import ops, reference
+from megatron_mok import reference
+from megatron_mok.kernels import ops
 
 
 def test_extension_built_when_nvcc_present():

@@ -1,4 +1,4 @@
-"""The Hopper grouped-GEMM core (megatron_mok.grouped_gemm) against fp32 per-expert GEMMs:
+"""The Hopper grouped-GEMM core (megatron_mok.kernels.grouped_gemm) against fp32 per-expert GEMMs:
 fc1 + SwiGLU, fc2, fc2 dgrad + SwiGLU backward, fc1 dgrad, weight gradients; tails in
 every dimension, empty experts, rows past num_rows; bitwise independence of the grid
 size. Input validation runs on the CPU."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mok import grouped_gemm as gg
+from megatron_mok.kernels import grouped_gemm as gg
 from moe_inputs import rel_l2
 
 TOL = 1e-2

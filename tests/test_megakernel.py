@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_mok import functional as mok
-from megatron_mok import megakernel, ops
+from megatron_mok.kernels import megakernel, ops
 from megatron_mok.config import MoKConfig
 from moe_inputs import make_moe_inputs, rel_l2
 
@@ -306,7 +306,8 @@ def test_cycle_probes_count_every_task_and_change_no_bit(direct):
 _STUCK = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})
-from megatron_mok import functional as mok, megakernel
+from megatron_mok import functional as mok
+from megatron_mok.kernels import megakernel
 from megatron_mok.config import MoKConfig
 from moe_inputs import make_moe_inputs
 cfg = MoKConfig(backend="kernel")
@@ -335,21 +336,21 @@ def test_watchdog_reports_a_tile_that_is_never_pulled(num_comm, mover_warps):
 
 
 def test_autotune_times_plans_and_the_forward_uses_the_winner(tmp_path, monkeypatch):
-    from megatron_mok import autotune
+    from megatron_mok.kernels import autotune, tuning
     monkeypatch.setenv("MOK_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
-    autotune._LOADED.clear()
+    autotune.forget_cache()
     inputs, ws, sched = _layer(tokens=512, seed=13)
     plans = [autotune.ForwardPlan("launches", 0, 0), autotune.ForwardPlan("megakernel", 0, 256),
              autotune.ForwardPlan("megakernel-comm", 4, 512)]
-    best, timings = autotune.tune(ws, sched, inputs["x"], inputs["w1"], inputs["w2"],
+    best, timings = tuning.tune(ws, sched, inputs["x"], inputs["w1"], inputs["w2"],
                                   plans=plans, warmup=1, iters=2)
     assert len(timings) == 3 and all(ms > 0 for ms in timings.values())
-    assert best == min(plans, key=lambda p: timings[autotune._name(p)])
-    autotune._LOADED.clear()  # read back from disk
+    assert best == min(plans, key=lambda p: timings[autotune.plan_name(p)])
+    autotune.forget_cache()  # read back from disk
     monkeypatch.delenv("MOK_FORWARD")
     assert autotune.forward_plan(ws, inputs["w1"].shape[1] // 2, KERNEL) == best
     y, _ = _forward(inputs, ws, sched)  # on the tuned plan
     monkeypatch.setenv("MOK_FORWARD", "launches")
     y_ref, _ = _forward(inputs, ws, sched)
     assert torch.equal(y, y_ref)
-    autotune._LOADED.clear()
+    autotune.forget_cache()

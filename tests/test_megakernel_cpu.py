@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from megatron_mok import kernel_backend, megakernel
+from megatron_mok.kernels import backend as kernel_backend, launch_chain, megakernel
 
 
 def test_probe_summary_sums_ctas_and_derives_means():
@@ -136,22 +136,22 @@ def test_fused_wgrad_targets_follow_the_knob_and_the_accumulators(monkeypatch):
         w1=torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16),
         w2=torch.zeros(experts, hidden, inter, dtype=torch.bfloat16))
     monkeypatch.delenv("MOK_BACKWARD_WGRAD", raising=False)  # default: the wgrad launches
-    assert kernel_backend._fused_wgrad_targets(saved, None, None) is None
+    assert launch_chain.fused_wgrad_targets(saved, None, None) is None
     monkeypatch.setenv("MOK_BACKWARD_WGRAD", "fused")
-    plain = kernel_backend._fused_wgrad_targets(saved, None, None)
+    plain = launch_chain.fused_wgrad_targets(saved, None, None)
     assert plain.dw2.shape == (experts, hidden, inter) and plain.dw2.dtype == torch.bfloat16
     assert plain.dw1.shape == (experts, 2 * inter, hidden) and not plain.accumulate
     planes1, planes2 = torch.zeros(experts, 2 * inter, hidden), torch.zeros(experts, hidden, inter)
     acc1 = types.SimpleNamespace(fused_target=(planes1, True))
     acc2 = types.SimpleNamespace(fused_target=(planes2, False))
-    fused = kernel_backend._fused_wgrad_targets(saved, acc1, acc2)
+    fused = launch_chain.fused_wgrad_targets(saved, acc1, acc2)
     assert fused.dw1 is planes1 and fused.dw2 is planes2 and fused.accumulate
     assert fused.reverse1 and not fused.reverse2
     # Buffers one launch cannot add into, or one weight frozen: the wgrad launches.
-    assert kernel_backend._fused_wgrad_targets(
+    assert launch_chain.fused_wgrad_targets(
         saved, types.SimpleNamespace(fused_target=None), acc2) is None
-    assert kernel_backend._fused_wgrad_targets(saved, None, acc2) is None
+    assert launch_chain.fused_wgrad_targets(saved, None, acc2) is None
     monkeypatch.setenv("MOK_BACKWARD_WGRAD", "launches")
-    assert kernel_backend._fused_wgrad_targets(saved, None, None) is None
+    assert launch_chain.fused_wgrad_targets(saved, None, None) is None
     with pytest.raises(ValueError, match="MOK_BACKWARD_WGRAD"):
         monkeypatch.setenv("MOK_BACKWARD_WGRAD", "inside")

@@ -73,7 +73,7 @@ def test_route_row_is_the_inverse_of_the_table_at_ep1():
     built from the table, with dropped routes (ids -1) and rows lost to an overflow."""
     import types
 
-    from megatron_mok import kernel_backend
+    from megatron_mok.kernels import backend as kernel_backend
     g = torch.Generator().manual_seed(3)
     for num_tokens, topk, num_local, capacity in ((300, 4, 6, None), (300, 2, 4, 256)):
         idx = make_routing(num_tokens, num_local, topk, g, 0.15)[0].unsqueeze(0)

@@ -17,7 +17,7 @@ def test_the_knob_defaults_to_the_kernel_and_is_checked(monkeypatch):
     monkeypatch.delenv("MOK_SCHEDULE", raising=False)
     assert not schedule.schedule_kernel_enabled(ids)  # CPU routing: always the tensor ops
     if torch.cuda.is_available():
-        from megatron_mok import ops
+        from megatron_mok.kernels import ops
         assert schedule.schedule_kernel_enabled(ids.cuda()) == ops.extension_available()
         monkeypatch.setenv("MOK_SCHEDULE", "torch")
         assert not schedule.schedule_kernel_enabled(ids.cuda())

@@ -53,7 +53,7 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-debug-checks", action="store_true",
                        help="Validate routing eagerly (host sync) on the kernel backend.")
     group.add_argument("--mok-no-autotune", action="store_true",
-                       help="Ignore the cached autotune plan (megatron_mok.autotune); use "
+                       help="Ignore the cached autotune plan (megatron_mok.kernels.autotune); use "
                             "the --mok-* knobs and the launch chain.")
     group.add_argument("--mok-main-grad-fusion", choices=MAIN_GRAD_FUSION,
                        default=defaults.main_grad_fusion,

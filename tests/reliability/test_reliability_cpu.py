@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mok import autotune, backend, knobs, reference, routing_errors, schedule, workspace
+from megatron_mok import backend_choice as backend, knobs, reference, routing_errors, schedule, workspace
+from megatron_mok.kernels import autotune
 from megatron_mok import functional as mok
 from megatron_mok.config import MoKConfig, schedule_capacity
 from moe_inputs import make_moe_inputs, rel_l2

@@ -19,7 +19,7 @@ import torch
 from megatron_mok import functional as mok
 from megatron_mok import routing_errors
 from megatron_mok.config import MoKConfig
-from megatron_mok.megakernel import counters_size
+from megatron_mok.kernels.megakernel import counters_size
 from megatron_mok.routing_errors import RoutingError
 from moe_inputs import rel_l2
 

@@ -4,18 +4,18 @@ once and cached.
 The kernel backend's forward can run as v1's launch chain or as the forward megakernel
 (spread, direct or comm mode, with comm SMs x minibatch knobs). Which one is fastest
 depends on the shape and the GPU (docs/megakernel.md, "Measured"), so
-`tune()` times the candidates on a real workspace and stores the fastest under a key of
-the GPU name and the shape; `forward_plan()` (called by every kernel-backend forward)
+`kernels.tuning.tune()` times the candidates on a real workspace and stores the fastest
+under a key of the GPU name and the shape (`store`); `forward_plan()` (called by every kernel-backend forward)
 uses a cached plan when there is one. Precedence: MOK_FORWARD in the environment, then
 the cache (MoKConfig.autotune), then the default with the config's knobs (the spread
 megakernel at EP = 1 where it runs, else the launch chain).
 
-The backward likewise: `tune_backward()` times the dgrad half (the launch chain, or the
+The backward likewise: `kernels.tuning.tune_backward()` times the dgrad half (the launch chain, or the
 backward megakernel x minibatch; EP = 1) and `backward_plan()` resolves MOK_BACKWARD, then
 the cache, then the launch chain. Its entries sit under the forward key + "|bwd".
 
 Cache: JSON at $MOK_AUTOTUNE_CACHE (default ~/.cache/megatron_mok/autotune.json), read
-once per process. Fill it with `python -m benchmarks.autotune` or by calling `tune()`.
+once per process. Fill it with `python -m benchmarks.autotune` or by calling `kernels.tuning.tune()`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import tempfile
 import warnings
 from pathlib import Path
@@ -32,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import knobs, megakernel
+from megatron_mok import knobs
+from megatron_mok.kernels import megakernel
 
 MINIBATCHES = (1024, 2048, 4096, 8192)
 COMM_SMS = (4, 8, 16, 24)
@@ -94,6 +94,12 @@ def _entries() -> dict:
     return _LOADED[key]
 
 
+def forget_cache() -> None:
+    """Drop the entries read from the cache file, so the next lookup reads it again (for
+    tests and scripts that rewrite the file or point MOK_AUTOTUNE_CACHE elsewhere)."""
+    _LOADED.clear()
+
+
 def lookup(key: str) -> Optional[ForwardPlan]:
     entry = _entries().get(key)
     if entry is None:
@@ -152,64 +158,8 @@ def candidates(ep_size: int, num_sms: int) -> list[ForwardPlan]:
     return plans
 
 
-def _run(plan: ForwardPlan, ws, sched, x, w1, w2):
-    """The expert pass of a plan as the forward runs it (pushes or in-place rows alike)."""
-    from megatron_mok import kernel_backend
-    direct = plan.path == "megakernel" and ws.ep_size == 1
-    spread = plan.path == "megakernel-spread"
-    in_place = kernel_backend.rows_combine(ws) and (direct or spread or plan.path == "launches")
-    if plan.path == "launches":
-        ws.arena.view("x").copy_(x)
-        return kernel_backend._expert_launches(ws, sched, w1, w2, x.shape[1], False,
-                                               push=not in_place)
-    return megakernel.moe_forward(ws, sched, x, w1, w2, save_h=False,
-                                  num_comm_sms=0 if spread else plan.num_comm_sms,
-                                  minibatch_rows=plan.minibatch_rows, direct=direct,
-                                  scatter=not in_place)
-
-
-def tune(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
-         plans: Optional[list] = None, warmup: int = 2, iters: int = 5,
-         save: bool = True) -> tuple[ForwardPlan, dict]:
-    """Time the expert pass of every candidate plan on this workspace and routing (the
-    median of `iters` CUDA-event timings; at EP > 1 the slowest rank's time, so every rank
-    picks the same plan) and return (fastest plan, {plan: ms}); stored in the cache with
-    `save`. Collective at EP > 1: every rank must call it with the same plans."""
-    if ws.arena is None:
-        raise ValueError("megatron_mok: autotune needs a kernel-backend workspace")
-    if not megakernel.available():
-        raise RuntimeError("megatron_mok: the extension was built without the megakernel")
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    plans = plans or candidates(ws.ep_size, num_sms)
-    if ws.hidden_size > megakernel.MAX_HIDDEN:
-        plans = [p for p in plans if p.path == "launches"]
-    w1, w2 = w1.contiguous(), w2.contiguous()
-    ws.arena.view("x").copy_(x)  # EP > 1: the peers pull it (the real forward publishes it too)
-    timings = {}
-    for plan in plans:
-        times = []
-        for i in range(warmup + iters):
-            ws.arena.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            _run(plan, ws, sched, x, w1, w2)
-            end.record()
-            if i >= warmup:
-                times.append((start, end))
-        torch.cuda.synchronize(x.device)
-        ms = torch.tensor(statistics.median(s.elapsed_time(e) for s, e in times),
-                          device=x.device)
-        if ws.group is not None:
-            torch.distributed.all_reduce(ms, op=torch.distributed.ReduceOp.MAX, group=ws.group)
-        timings[_name(plan)] = float(ms)
-    best = min(plans, key=lambda p: timings[_name(p)])
-    if save:  # one rank writes the file; the others only need the plan in memory
-        store(workspace_key(ws, w1.shape[1] // 2), best, timings,
-              write=ws.group is None or torch.distributed.get_rank(ws.group) == 0)
-    return best, timings
-
-
-def _name(plan: ForwardPlan) -> str:
+def plan_name(plan: ForwardPlan) -> str:
+    """The plan's name in timings and logs."""
     if plan.path == "launches":
         return "launches"
     if plan.path == "megakernel" and plan.num_comm_sms == 0:
@@ -255,67 +205,6 @@ def backward_candidates() -> list[BackwardPlan]:
                                             for mb in BACKWARD_MINIBATCHES]
 
 
-def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Tensor,
-                  w2: torch.Tensor, dy: torch.Tensor, *, plans: Optional[list] = None,
-                  warmup: int = 2, iters: int = 5, save: bool = True
-                  ) -> tuple[BackwardPlan, dict]:
-    """Time what the plans change in the backward (pull dy scaled + dots, fc2 dgrad +
-    SwiGLU backward, fc1 dgrad and the bf16 weight gradients: the core's wgrad launches,
-    or inside the megakernel with MOK_BACKWARD_WGRAD=fused; the combine is the same)
-    for every candidate at EP = 1 after one forward that keeps its context; return
-    (fastest, {plan: ms}), stored in the cache with `save`."""
-    from megatron_mok import kernel_backend, ops
-    if ws.arena is None or ws.ep_size != 1:
-        raise ValueError("megatron_mok: backward autotune needs a kernel-backend workspace "
-                         "at EP = 1")
-    _, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, None, None, True)
-    if saved.x_rows is None:  # the direct megakernel gathered x on the fly
-        saved.x_rows = kernel_backend._gather_rows(saved.x, sched)
-    plans = plans or backward_candidates()
-    if not megakernel.backward_runnable(ws, dy.dtype, saved.route_row is not None):
-        plans = [p for p in plans if p.path == "launches"]
-    core, offs = kernel_backend.gemm_core(), sched.expert_offsets[1:]
-    arena = ws.arena
-
-    def wgrads(d_out, d_h):
-        kernel_backend._weight_grad(core, d_out, saved.act, sched, saved.w2, None)
-        kernel_backend._weight_grad(core, d_h, saved.x_rows, sched, saved.w1, None)
-
-    def run(plan):
-        if plan.path == "megakernel":
-            targets = kernel_backend._fused_wgrad_targets(saved, None, None)
-            d_out, _, d_h, _ = megakernel.moe_backward(
-                ws, sched, dy, saved.topk_w, saved.w1, saved.w2, saved.h, saved.y_rows,
-                minibatch_rows=plan.minibatch_rows, wgrad=targets)
-            if targets is None:
-                wgrads(d_out, d_h)
-            return
-        arena.view("dy").copy_(dy)
-        arena.view("topk_w").copy_(saved.topk_w)
-        d_out = dy.new_empty(ws.capacity, dy.shape[1])
-        dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
-        ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, d_out,
-                      w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
-        d_h, _ = kernel_backend._dgrad_launches(core, sched, saved, d_out, offs)
-        wgrads(d_out, d_h)
-
-    timings = {}
-    for plan in plans:
-        times = []
-        for i in range(warmup + iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(plan)
-            end.record()
-            if i >= warmup:
-                times.append((start, end))
-        torch.cuda.synchronize(dy.device)
-        timings[_backward_name(plan)] = statistics.median(s.elapsed_time(e) for s, e in times)
-    best = min(plans, key=lambda p: timings[_backward_name(p)])
-    if save:
-        store(backward_key(ws, w1.shape[1] // 2), best, timings)
-    return best, timings
-
-
-def _backward_name(plan: BackwardPlan) -> str:
+def backward_plan_name(plan: BackwardPlan) -> str:
+    """The backward plan's name in timings and logs."""
     return "launches" if plan.path == "launches" else f"megakernel/mb{plan.minibatch_rows}"

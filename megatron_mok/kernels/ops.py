@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from megatron_mok import knobs
+
 try:
     from megatron_mok import _C  # noqa: F401  (registers torch.ops.megatron_mok.*)
     EXTENSION_ERROR: Optional[str] = None
@@ -129,5 +131,15 @@ def kernel_backend_status(device, dtype: Optional[torch.dtype] = None) -> tuple[
     return available, reason
 
 
-# Hand the C++ launchers their MOK_* knobs now that the extension is loaded.
-from megatron_mok import knobs as _knobs  # noqa: E402,F401
+def _push_knobs(values: dict) -> None:
+    """Hand the C++ launchers their MOK_* knobs (read and validated by megatron_mok.knobs)."""
+    if not has_op("set_knobs"):
+        return
+    torch.ops.megatron_mok.set_knobs(
+        values["MOK_GEMM_SCHEDULER"] == "static", int(values["MOK_GEMM_CLUSTER"]),
+        values["MOK_GEMM_PINGPONG"] == "1", values["MOK_DGRAD_H"] == "global",
+        ("lines", "tma", "rows").index(values["MOK_MEGAKERNEL_GATHER"]),
+        int(values["MOK_MOVER_WARPS"]))
+
+
+knobs.on_reload(_push_knobs)

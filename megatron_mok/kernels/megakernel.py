@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import grouped_gemm, knobs, ops
+from megatron_mok import knobs
+from megatron_mok.kernels import grouped_gemm, ops
 from megatron_mok.config import TILE_M
 
 # megakernel: direct mode at EP = 1 (no comm CTAs: fc1 gathers its rows, fc2 scatters into
@@ -108,7 +109,7 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         raise ValueError(f"megatron_mok: the forward megakernel supports H <= {MAX_HIDDEN}, "
                          f"got {hidden}")
     inter = w1.shape[1] // 2
-    grouped_gemm._check_multiple_of_8(hidden=hidden, inter=inter)
+    grouped_gemm.check_multiple_of_8(hidden=hidden, inter=inter)
     act = x.new_empty(rows, inter)
     h = x.new_empty(rows, 2 * inter) if save_h else None
     y_rows = x.new_empty(rows, hidden)
@@ -225,7 +226,7 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
         if t.dtype != torch.bfloat16 or not t.is_cuda or not t.is_contiguous():
             raise ValueError(f"megatron_mok: {name} must be a contiguous CUDA bfloat16 tensor")
     inter = w1.shape[1] // 2
-    grouped_gemm._check_multiple_of_8(hidden=hidden, inter=inter)
+    grouped_gemm.check_multiple_of_8(hidden=hidden, inter=inter)
     if h.shape != (rows, 2 * inter) or y_rows.shape != (rows, hidden):
         raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}] and y_rows "
                          f"[{rows}, {hidden}], got {tuple(h.shape)} and {tuple(y_rows.shape)}")

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import ops
+from megatron_mok.kernels import ops
 
 ROW_TILE = 128
 
@@ -77,7 +77,7 @@ def _check_table(rows: int, offsets: torch.Tensor, num_experts: int,
         _check("num_rows", num_rows, 1, torch.int32)
 
 
-def _check_multiple_of_8(**sizes: int) -> None:
+def check_multiple_of_8(**sizes: int) -> None:
     for name, value in sizes.items():
         if value <= 0 or value % 8:  # TMA: 16-byte aligned rows, no empty dimension
             raise ValueError(f"megatron_mok: {name}={value} must be a positive multiple of 8 "
@@ -96,7 +96,7 @@ def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Ten
         raise ValueError(f"megatron_mok: w1 must be [E, 2I, {hidden}], got {tuple(w1.shape)}")
     inter = w1.shape[1] // 2
     _check_table(rows, expert_offsets, w1.shape[0], num_rows)
-    _check_multiple_of_8(hidden=hidden, inter=inter)
+    check_multiple_of_8(hidden=hidden, inter=inter)
     _check_cuda(x_rows=x_rows, w1=w1, expert_offsets=expert_offsets, num_rows=num_rows)
     act = x_rows.new_empty(rows, inter)
     h = x_rows.new_empty(rows, 2 * inter) if save_h else None
@@ -116,7 +116,7 @@ def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     if (w.shape[1] if w_transposed else w.shape[2]) != k:
         raise ValueError(f"megatron_mok: w {tuple(w.shape)} does not reduce over a's {k} columns")
     _check_table(rows, expert_offsets, w.shape[0], num_rows)
-    _check_multiple_of_8(n=n, k=k)
+    check_multiple_of_8(n=n, k=k)
     _check_cuda(a=a, w=w, expert_offsets=expert_offsets, num_rows=num_rows)
     out = a.new_empty(rows, n)
     torch.ops.megatron_mok.grouped_gemm_rows(a, w, expert_offsets, num_rows, w_transposed, out,
@@ -138,7 +138,7 @@ def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
     if tuple(h.shape) != (rows, 2 * inter):
         raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}], got {tuple(h.shape)}")
     _check_table(rows, expert_offsets, w2.shape[0], num_rows)
-    _check_multiple_of_8(hidden=hidden, inter=inter)
+    check_multiple_of_8(hidden=hidden, inter=inter)
     _check_cuda(d_out=d_out, w2=w2, h=h, expert_offsets=expert_offsets, num_rows=num_rows)
     d_h = torch.empty_like(h)
     torch.ops.megatron_mok.grouped_dgrad_swiglu(d_out, w2, expert_offsets, num_rows, h, d_h,
@@ -170,7 +170,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
     _check("b", b, 2)
     num_experts = expert_offsets.numel() - 1
     _check_table(a.shape[0], expert_offsets, num_experts, None)
-    _check_multiple_of_8(m=a.shape[1], n=b.shape[1])
+    check_multiple_of_8(m=a.shape[1], n=b.shape[1])
     shape = (num_experts, a.shape[1], b.shape[1])
     if reverse_experts and accumulate_into is None:
         raise ValueError("megatron_mok: reverse_experts needs accumulate_into")

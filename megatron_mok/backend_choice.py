@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import ops
+from megatron_mok.kernels import ops
 from megatron_mok.config import MoKConfig
 
 

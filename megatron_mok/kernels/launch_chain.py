@@ -1,0 +1,169 @@
+"""The steps of the kernel pass as separate launches (the v1 chain), and what the forward
+saves for the backward.
+
+The kernel backend (kernels.backend) strings these together when a pass does not run as
+a megakernel, and the autotuner (kernels.autotune) times them against the megakernel
+plans; both import them from here, so neither reaches into the other. Expert GEMMs run
+on our Hopper grouped-GEMM core (kernels.grouped_gemm) or, with MOK_GEMM_CORE=torch, on
+`torch._grouped_mm` (side-by-side benchmarks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megatron_mok import knobs
+from megatron_mok.activations import swiglu, swiglu_backward
+from megatron_mok.config import MoKConfig
+from megatron_mok.kernels import grouped_gemm, megakernel, ops
+from megatron_mok.schedule import MoKSchedule
+from megatron_mok.workspace import MoKWorkspace
+
+
+GEMM_CORES = ("mok", "torch")
+
+
+def gemm_core() -> str:
+    """"mok" (our grouped-GEMM core, the default when built) or "torch" (_grouped_mm)."""
+    core = knobs.get("MOK_GEMM_CORE")
+    if core == "mok" and not grouped_gemm.available():
+        raise RuntimeError("megatron_mok: the extension was built without the grouped-GEMM "
+                           "core; rebuild it or set MOK_GEMM_CORE=torch")
+    return core
+
+
+def shared_forward(x, shared_w1, shared_w2, keep_graph: bool):
+    """Shared expert on this rank's tokens (BF16 GEMMs); keeps its graph for backward."""
+    leaves = tuple(t.detach().requires_grad_(keep_graph) for t in (x, shared_w1, shared_w2))
+    with torch.enable_grad() if keep_graph else torch.no_grad():
+        act = swiglu(leaves[0] @ leaves[1].t()).to(x.dtype)
+        out = act @ leaves[2].t()
+    return out, leaves
+
+
+@dataclasses.dataclass
+class KernelSaved:
+    topk_idx: torch.Tensor
+    topk_w: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    x_rows: torch.Tensor       # [capacity, H] routed tokens, row-table order
+    h: torch.Tensor            # [capacity, 2I] fc1 output (gate; up)
+    act: torch.Tensor          # [capacity, I] SwiGLU output
+    y_rows: torch.Tensor       # [capacity, H] expert output rows
+    shared_out: Optional[torch.Tensor]
+    shared_leaves: Optional[tuple]
+    x: Optional[torch.Tensor] = None  # EP = 1 direct megakernel: x_rows is gathered again
+    route_row: Optional[torch.Tensor] = None  # EP = 1 rows combine: row of route (t, k)
+    config: Optional[MoKConfig] = None  # the forward's (the backward plan's autotune flag)
+
+
+
+def gather_rows(x: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
+    """x_rows of the row table at EP = 1 (padding rows zero), bit-equal to a pull."""
+    valid = (sched.peer_rank >= 0).unsqueeze(1)
+    rows = x[sched.peer_token.clamp(min=0).long()]
+    return torch.where(valid, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+
+def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, d_out: torch.Tensor,
+                    offs: torch.Tensor):
+    """v1: fc2 dgrad + SwiGLU backward, then fc1 dgrad, as separate launches: (d_h, dx_rows)."""
+    if core == "mok":
+        d_h = grouped_gemm.dgrad_swiglu(d_out, saved.w2, saved.h, sched.expert_offsets,
+                                        sched.num_rows)
+        dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
+                                           w_transposed=True)
+    else:
+        d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
+        d_h = swiglu_backward(saved.h, d_act).to(saved.h.dtype)
+        dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
+    return d_h, dx_rows
+
+
+def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool,
+                     push: bool = True):
+    """v1: pull, fc1 (+ SwiGLU), fc2 and push (unless the combine reads the rows in
+    place) as separate launches."""
+    arena = ws.arena
+    x_rows = w1.new_empty(ws.capacity, hidden)
+    ops.pull_rows(arena.peer_base, arena.offset("x"), sched, ws.topk, x_rows)
+    if gemm_core() == "mok":
+        w1, w2 = w1.contiguous(), w2.contiguous()
+        act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
+                                         save_h=keep_ctx)
+        y_rows = grouped_gemm.rows_matmul(act, w2, sched.expert_offsets, sched.num_rows)
+    else:
+        offs = sched.expert_offsets[1:]
+        h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
+        act = swiglu(h).to(h.dtype)
+        y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    if push:
+        ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
+    return x_rows, act, h, y_rows
+
+
+def weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule,
+                 weight: torch.Tensor, acc) -> torch.Tensor:
+    """dw[e] = a[rows of e]^T @ b[rows of e]: tokens are K, in row-table order; one GEMM
+    owns each output tile. With an accumulator (grad_accumulation) the fp32 gradient goes
+    into its buffers, in the wgrad's epilogue where they lie equally spaced."""
+    offsets = sched.expert_offsets
+    if core != "mok":
+        dw = torch._grouped_mm(a.t(), b, offs=offsets[1:])
+    elif acc is None:
+        return grouped_gemm.wgrad(a, b, offsets)
+    elif acc.fused_runs is not None:  # one launch per run of equally spaced buffers
+        for first, count, planes, reverse in acc.fused_runs:
+            grouped_gemm.wgrad(a, b, offsets[first:first + count + 1], accumulate_into=planes,
+                               reverse_experts=reverse)
+        return acc.finish(weight)
+    else:
+        dw = grouped_gemm.wgrad(a, b, offsets, out_dtype=torch.float32)
+    if acc is None:
+        return dw
+    acc.add_(dw)
+    return acc.finish(weight)
+
+
+BACKWARD_WGRAD_PATHS = ("fused", "launches")
+
+
+def backward_wgrad_path() -> str:
+    """Where the backward megakernel leaves the weight gradients (MOK_BACKWARD_WGRAD):
+    "launches" (default): the core's wgrad launches after it, as the launch chain does;
+    "fused": its phase 2, in the same launch (the same bits; measured 0-5 % slower layer
+    backward on the H200 at fe14702: docs/perf-notes.md, "backward megakernel phase 2")."""
+    return knobs.get("MOK_BACKWARD_WGRAD")
+
+
+def fused_wgrad_targets(saved: KernelSaved, acc1, acc2):
+    """The backward megakernel's phase-2 targets, or None where the weight gradients stay
+    launches: MOK_BACKWARD_WGRAD=launches (the default), one weight frozen, or accumulators
+    whose buffers are not one run of equally spaced planes each (those take one
+    reduce-add wgrad launch per run, or an fp32 gradient and a separate add)."""
+    if backward_wgrad_path() != "fused":
+        return None
+    if acc1 is None and acc2 is None:
+        experts, two_inter, hidden = saved.w1.shape
+        return megakernel.WgradTargets(
+            saved.act, saved.x_rows, saved.w2.new_empty(experts, hidden, two_inter // 2),
+            saved.w1.new_empty(experts, two_inter, hidden))
+    if acc1 is None or acc2 is None or acc1.fused_target is None or acc2.fused_target is None:
+        return None
+    (planes1, reverse1), (planes2, reverse2) = acc1.fused_target, acc2.fused_target
+    return megakernel.WgradTargets(saved.act, saved.x_rows, planes2, planes1, accumulate=True,
+                                   reverse2=reverse2, reverse1=reverse1)
+
+
+def rows_combine(ws: MoKWorkspace) -> bool:
+    """MOK_EP1_COMBINE=rows (the default; EP = 1 only): the combines of the forward and the
+    backward read the expert rows in place (ops.combine_rows) instead of pushing them into
+    (t, k) slots first: one pass over the rows fewer each way. Bit-equal to `slots`;
+    measured 3-6 % faster layer forward and 1-4 % faster backward on the H200
+    (docs/perf-notes.md, "EP = 1 in-place combine")."""
+    return knobs.get("MOK_EP1_COMBINE") == "rows" and ws.ep_size == 1
