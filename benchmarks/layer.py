@@ -32,7 +32,6 @@ import platform
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -46,8 +45,9 @@ from benchmarks import shapes as S
 from megatron_mok.reference import rel_l2
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ("mok", "torch-unfused", "megatron-alltoall")
-BASELINES = ("torch-unfused", "megatron-alltoall")
+BACKENDS = ("mok", "sonicmoe", "torch-unfused", "megatron-alltoall")
+BASELINES = ("sonicmoe", "torch-unfused", "megatron-alltoall")
+HOST_CALLS = 5  # layer calls timed on the host alone (each after a sync, none inside)
 PASSES = ("fwd", "bwd")
 CHECK_TOL = 1e-2
 WEIGHT_STD = 0.02
@@ -535,6 +535,9 @@ def make_backend(name: str, local: S.LocalShape, weights: Weights, device, args)
         return TorchUnfusedBackend(weights, device)
     if name == "megatron-alltoall":
         return MegatronBackend(local, weights, device, seed=args.seed)
+    if name == "sonicmoe":
+        from benchmarks.sonicmoe_baseline import SonicMoEBackend
+        return SonicMoEBackend(weights, device)
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
 
 
@@ -637,9 +640,45 @@ class Timer:
         return times
 
 
+def host_call_ms(device: torch.device, prepare: Callable[[], object],
+                 op: Callable[[object], object], calls: int = HOST_CALLS) -> Optional[float]:
+    """Median CPU wall time for op(prepare()) to return, each call issued on an idle GPU
+    (a sync before it, none inside): the host cost of one layer call, which a model whose
+    CPU does not run ahead pays in full (BENCHMARKS.md)."""
+    if device.type != "cuda":
+        return None
+    times = []
+    for _ in range(calls):
+        state = prepare()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = op(state)
+        times.append((time.perf_counter() - t0) * 1e3)
+        del out, state
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
+def saved_bytes(device: torch.device, backend: Backend, inp: dict) -> Optional[int]:
+    """Device bytes one training forward leaves allocated besides its output: what the
+    layer keeps for its backward (after warm-up, so persistent workspaces and caches are
+    not counted)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.enable_grad():
+        y = backend.run(inp)
+    torch.cuda.synchronize(device)
+    kept = torch.cuda.memory_allocated(device) - before - y.numel() * y.element_size()
+    del y
+    return int(kept)
+
+
 def time_forward(timer: Timer, backend: Backend, case: CaseInputs, warmup: int,
-                 iters: int) -> list[float]:
-    """Training forward (autograd on): the whole layer call, schedule build included."""
+                 iters: int) -> tuple[list[float], Optional[float], Optional[int]]:
+    """Training forward (autograd on): the whole layer call, schedule build included.
+    (GPU ms per timed iteration, host ms of one call, bytes kept for the backward)."""
     inp = backend.prepare(case)
 
     def prepare():
@@ -648,12 +687,15 @@ def time_forward(timer: Timer, backend: Backend, case: CaseInputs, warmup: int,
         return inp
 
     with torch.enable_grad():
-        return timer.measure(prepare, backend.run, warmup, iters)
+        times = timer.measure(prepare, backend.run, warmup, iters)
+        host = host_call_ms(timer.device, prepare, backend.run)
+    return times, host, saved_bytes(timer.device, backend, prepare())
 
 
 def time_backward(timer: Timer, backend: Backend, case: CaseInputs, warmup: int,
-                  iters: int) -> list[float]:
-    """autograd.backward(y, dy) only; the forward runs (untimed) before each iteration."""
+                  iters: int) -> tuple[list[float], Optional[float], None]:
+    """autograd.backward(y, dy) only; the forward runs (untimed) before each iteration.
+    (GPU ms per timed iteration, host ms of one backward call, None)."""
     inp = backend.prepare(case)
     dy = case.dy
 
@@ -667,9 +709,10 @@ def time_backward(timer: Timer, backend: Backend, case: CaseInputs, warmup: int,
         torch.autograd.backward(y, dy)
 
     times = timer.measure(prepare, op, warmup, iters)
+    host = host_call_ms(timer.device, prepare, op)
     for t in backend.leaves(inp):
         t.grad = None
-    return times
+    return times, host, None
 
 
 def measure_dense_peak(device: torch.device, n: int = PEAK_N, warmup: int = 5,
@@ -701,14 +744,11 @@ def gpu_short_name(name: str) -> str:
 
 
 def git_info() -> tuple[Optional[str], Optional[bool]]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=REPO, capture_output=True, text=True, timeout=10).stdout
-        return commit, bool(status.strip())
-    except Exception:
-        return None, None
+    """(commit, dirty) of the tree that runs (benchmarks.provenance: from the carried
+    stamp on the GPU machine, from git here)."""
+    from benchmarks.provenance import source_state
+    commit, dirty, _ = source_state()
+    return commit, dirty
 
 
 def _version(module: str) -> Optional[str]:
@@ -757,7 +797,8 @@ def make_record(meta: dict, shape: S.Shape, local: S.LocalShape, num_tokens: int
                 routing: str, backend: str, which: str, peak: float, *,
                 times: Optional[list] = None, check: Optional[dict] = None,
                 check_tokens: Optional[int] = None, info: Optional[dict] = None,
-                error: Optional[str] = None, warmup: int = 0) -> dict:
+                error: Optional[str] = None, warmup: int = 0,
+                host_ms: Optional[float] = None, saved_bytes: Optional[int] = None) -> dict:
     flops = S.pass_flops(local, num_tokens, which)
     floor_ms = S.gemm_floor_ms(flops, peak)
     rec = {
@@ -765,6 +806,7 @@ def make_record(meta: dict, shape: S.Shape, local: S.LocalShape, num_tokens: int
         "pass": which,
         "correct": None, "rel_l2": None, "check_tokens": check_tokens,
         "ms": None, "ms_min": None, "ms_p90": None, "iters": 0, "warmup": warmup,
+        "host_ms": host_ms, "saved_bytes": saved_bytes,
         "tflops": None, "frac_peak": None, "floor_ms": floor_ms, "time_over_floor": None,
         "speedup": {}, "flops": flops, "peak_tflops": peak,
         "H": local.hidden, "I": local.inter, "E": shape.num_experts,
@@ -1006,10 +1048,11 @@ def run(args) -> tuple[Path, list]:
                     for which in args.passes:
                         try:
                             fn = time_forward if which == "fwd" else time_backward
-                            times = fn(timer, backend, case, warmup, iters)
+                            times, host_ms, kept = fn(timer, backend, case, warmup, iters)
                             rec = make_record(meta, shape, local, num_tokens, routing, name,
                                               which, peak, times=times, check=check,
-                                              info=backend.info, **common)
+                                              info=dict(backend.info), host_ms=host_ms,
+                                              saved_bytes=kept, **common)
                         except Exception as err:
                             rec = make_record(meta, shape, local, num_tokens, routing, name,
                                               which, peak, check=check, info=backend.info,

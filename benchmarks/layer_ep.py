@@ -238,11 +238,12 @@ def run(args, group, device) -> list:
                     for which in args.passes.split(","):
                         timed = L.time_forward if which == "fwd" else L.time_backward
                         dist.barrier(group)  # ranks start together; collectives keep them so
-                        times = timed(timer, backend, case, args.warmup, args.iters)
+                        times, host_ms, _ = timed(timer, backend, case, args.warmup, args.iters)
                         ms = max_over_ranks(statistics.median(times), group)
                         rec = L.make_record(meta, shape, local, num_tokens, routing, name,
                                             which, peak, times=[ms], check=check,
-                                            info=backend.info, warmup=args.warmup)
+                                            info=backend.info, warmup=args.warmup,
+                                            host_ms=host_ms)
                         rec.update(ep=ep, iters=len(times), nvlink_bytes_per_gpu=moved,
                                    nvlink_gbps_per_gpu=moved / (ms * 1e-3) / 1e9)
                         records.append(rec)

@@ -5,7 +5,7 @@ backward steps, then one forward and the backward between cudaProfilerStart/Stop
         --shape qwen3-30b-a3b [--tokens 8192]
 
 Profile with `ncu --profile-from-start off -k "regex:moe_backward_kernel|grouped_gemm_kernel"`
-(PART=wgrad3 in scripts/pending_gpu_checks.sh compares the DRAM bytes of the backward
+(an earlier one-off GPU check compared the DRAM bytes of the backward
 megakernel with its weight gradients inside against it followed by the wgrad launches).
 """
 

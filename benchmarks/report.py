@@ -26,10 +26,10 @@ PLOTS_DIR = REPO / "benchmarks" / "plots"
 README = REPO / "README.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 SUBJECT = "mok"
-BASELINES = ("torch-unfused", "megatron-alltoall")  # EP=1 (benchmarks.layer)
+BASELINES = ("sonicmoe", "torch-unfused", "megatron-alltoall")  # EP=1 (benchmarks.layer)
 # Column order for whatever baselines a results file holds (benchmarks.layer_ep adds the
 # all-to-all and flex ones); a baseline with no timing at all (skipped) gets no column.
-BASELINE_ORDER = ("torch-unfused", "torch-a2a", "megatron-alltoall", "megatron-flex-deepep",
+BASELINE_ORDER = ("sonicmoe", "megatron-te", "torch-unfused", "torch-a2a", "megatron-alltoall", "megatron-flex-deepep",
                   "megatron-flex-hybridep")
 EP_START, EP_END = "<!-- perf-table-ep:start -->", "<!-- perf-table-ep:end -->"
 
@@ -60,6 +60,18 @@ def load_results(path: Path) -> tuple[dict, list]:
     if isinstance(doc, list):  # a bare list of records
         return {}, doc
     return doc.get("meta", {}), doc.get("records", [])
+
+
+def provenance_problem(path: Path) -> Optional[str]:
+    """Why a results file may not feed the README (None when it may): it must come from a
+    committed tree, i.e. name a real commit and say git_dirty: false."""
+    meta, _ = load_results(path)
+    commit = meta.get("git_commit")
+    if meta.get("git_dirty") is not False:
+        return f"{path.name}: git_dirty is {meta.get('git_dirty')!r}, not false"
+    if not commit or len(commit) != 40 or any(c not in "0123456789abcdef" for c in commit):
+        return f"{path.name}: git_commit {commit!r} is not a commit id"
+    return None
 
 
 def merge_results(paths: list) -> tuple[dict, list]:
@@ -122,6 +134,10 @@ def _num(value, fmt: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{fmt}}{suffix}"
 
 
+def _mib(value) -> str:
+    return "–" if value is None else f"{value / 2 ** 20:.0f}"
+
+
 def _tflops(value) -> str:
     if value is None:
         return "–"
@@ -179,7 +195,10 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
     lines.append("")
     baselines = baselines_of(records)
     nvlink = any(r.get("nvlink_gbps_per_gpu") is not None for r in records)
+    host = any(r.get("host_ms") is not None for r in records if r.get("backend") == SUBJECT)
     cols = ["shape", "T", "routing", "pass", "mok ms", "TFLOP/s", "of peak", "time / floor"]
+    if host:
+        cols.append("mok host ms")
     if nvlink:
         cols.append("NVLink GB/s")
     for b in baselines:
@@ -192,6 +211,8 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
         row = [shape, str(t), routing, which, _ms(m),
                _tflops(m and m.get("tflops")), _num(m and m.get("frac_peak"), ".2f"),
                _num(m and m.get("time_over_floor"), ".2f")]
+        if host:
+            row.append(_num(m and m.get("host_ms"), ".3f"))
         if nvlink:
             row.append(_num(m and m.get("ms") and m.get("nvlink_gbps_per_gpu"), ".0f"))
         for b in baselines:
@@ -205,7 +226,7 @@ def console_table(records: list) -> str:
     """Every record, one line each (the benchmark's final table)."""
     baselines = baselines_of(records)
     cols = ["shape", "T", "routing", "pass", "backend", "ms", "TFLOP/s", "peak", "/floor",
-            *(f"x{b}" for b in baselines), "check"]
+            "host ms", "saved MiB", *(f"x{b}" for b in baselines), "check"]
     rows = []
     for _, backends in group_cases(records):
         for name in sorted(backends, key=lambda b: (b != SUBJECT, b)):
@@ -221,6 +242,7 @@ def console_table(records: list) -> str:
             rows.append([r["shape"], str(r["T"]), r["routing"], r["pass"], name,
                          _ms(r), _tflops(r.get("tflops")),
                          _num(r.get("frac_peak"), ".2f"), _num(r.get("time_over_floor"), ".2f"),
+                         _num(r.get("host_ms"), ".3f"), _mib(r.get("saved_bytes")),
                          *(_speedup(r, b).replace("×", "x") for b in baselines), check])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c)
               for i, c in enumerate(cols)]
@@ -368,6 +390,11 @@ def main(argv=None) -> int:
         png = plot_speedups(records, Path(args.plots) / f"{stem}.png", title)
         if png:
             print(f"plot: {png}")
+    problems = [p for p in map(provenance_problem, paths) if p]
+    if problems and not args.no_readme:
+        print("refusing to write the README table from results of an uncommitted tree:\n  "
+              + "\n  ".join(problems) + "\n(commit, rerun, or pass --no-readme)")
+        return 2
     if not args.no_readme:
         table = markdown_table(meta, records,
                                source=", ".join(_display_path(p) for p in paths))

@@ -1,27 +1,40 @@
 #!/usr/bin/env bash
 # One command for a GPU machine with the extension already built (megatron_mok/_C*.so):
-# installs megatron-core from .whl/ when it is missing, runs the GPU tests, the tiny `mok`
-# pretraining demo and the EP=1 layer benchmark, prints a summary table and leaves logs and
-# the benchmark JSON under ${OUT:-gpu_out}/.
+# installs megatron-core from .whl/ when it is missing, says which committed tree runs,
+# runs the GPU tests, the tiny `mok` pretraining demo and the EP=1 layer benchmark, prints
+# a summary table and leaves logs and the benchmark JSON under ${OUT:-gpu_out}/.
 #
 #   bash scripts/gpu_check.sh [pytest -k expression]
 #
-# Environment: GPU_TESTS=0 / DEMO=0 / BENCH=0 skip a part; BENCH_ARGS are passed to
-# `python -m benchmarks.layer` (e.g. "--shapes deepseek-v3 --tokens 4096");
-# BENCH_TIMEOUT (s) bounds the benchmark (it keeps what it measured when cut short);
-# AUTOTUNE=1 first caches the fastest forward plan per shape (benchmarks.autotune, cache in
-# $OUT/autotune_cache.json), which the layer benchmark's `mok` then uses.
+# Parts (1 = run): GPU_TESTS=1 DEMO=1 BENCH=1 AUTOTUNE=0 SONIC=0.
+#   BENCH_ARGS go to `python -m benchmarks.layer` (e.g. "--shapes deepseek-v3 --tokens 4096");
+#   BENCH_TIMEOUT (s) bounds it (it keeps what it measured when cut short).
+#   AUTOTUNE=1 first caches the fastest plans per shape (benchmarks.autotune, cache in
+#   $OUT/autotune_cache.json), which the layer benchmark's `mok` then uses.
+#   SONIC=1 unpacks SonicMoE from .sonic/ (../shared/tools/stage_sonicmoe.sh) so the layer
+#   benchmark's `sonicmoe` baseline runs (its kernels compile on first use per shape).
+#   TESTS_TIMEOUT (s) bounds the GPU tests.
+# Before the call, on the development machine: commit, then `python -m benchmarks.provenance`
+# (writes .mok_source.json; carry it) so results name the commit and git_dirty: false.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, megatron.core; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)" | tee -a "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+$PY -c "from benchmarks.provenance import source_state as s; c, d, f = s(); print('tree', c, 'dirty' if d else 'clean', *f[:5])" | tee -a "$OUT/gpu.txt"
+
+if [ "${SONIC:-0}" = 1 ]; then
+  mkdir -p /tmp/sonic && tar xJf .sonic/sonic_site.tar.xz -C /tmp/sonic
+  export PYTHONPATH=/tmp/sonic:/tmp/sonic/nvidia_cutlass_dsl/python_packages:$PYTHONPATH
+  export QUACK_CACHE_DIR=/tmp/quack_cache QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
+  $PY -c "import sonicmoe; print('sonicmoe importable')" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+fi
 
 status=0
 tests_line="skipped"; demo_line="skipped"; bench_line="skipped"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  $PY -m pytest -q -ra -m gpu tests ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  timeout "${TESTS_TIMEOUT:-480}" $PY -m pytest -q -ra -m gpu tests ${1:+-k "$1"} 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   tests_line=$(tail -1 "$OUT/pytest_gpu.log")
 fi

@@ -305,8 +305,8 @@ def test_megatron_alltoall_cpu_subprocess(tmp_path):
 
 def _synthetic_results(tmp_path: Path) -> Path:
     meta = {"gpu": "NVIDIA H200", "gpu_short": "h200", "torch": "2.11.0+cu130", "cuda": "13.0",
-            "git_commit": "0123456789abcdef", "git_dirty": False, "date": "2026-01-02",
-            "peak_tflops": 788.0}
+            "git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": False,
+            "date": "2026-01-02", "peak_tflops": 788.0}
     recs = []
     for name, t in (("qwen3-30b-a3b", 8192), ("deepseek-v3", 8192)):
         shape = S.get_shape(name)
@@ -382,6 +382,38 @@ def test_report_cli_without_plot(tmp_path):
     assert R.START in readme.read_text()
 
 
+@pytest.mark.parametrize("meta_patch", [{"git_dirty": True}, {"git_dirty": None},
+                                        {"git_commit": "c68882c+v5"}])
+def test_report_refuses_uncommitted_results_for_the_readme(tmp_path, meta_patch):
+    """The README's figures must come from a committed tree: dirty, unknown or hand-made
+    commit labels are refused (exit 2, README untouched); --no-readme still reports."""
+    path = _synthetic_results(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["meta"].update(meta_patch)
+    path.write_text(json.dumps(doc))
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    args = [str(path), "--readme", str(readme), "--plots", str(tmp_path / "plots"), "--no-plot"]
+    assert R.main(args) == 2
+    assert readme.read_text() == README_TEXT
+    assert R.main(args + ["--no-readme"]) == 0
+
+
+def test_provenance_stamp_detects_changed_files(tmp_path, monkeypatch):
+    """benchmarks.provenance: a stamp of blob ids says clean for identical files and dirty,
+    naming the file, once one byte changes (what the GPU machine checks)."""
+    from benchmarks import provenance as P
+    (tmp_path / "a.py").write_text("x = 1\n")
+    stamp = {"commit": "f" * 40, "blobs": {"a.py": P.blob_id(tmp_path / "a.py")}}
+    assert stamp["blobs"]["a.py"] == "7d4290a117a4ddcc11daae7ea675841033830c8f"  # git hash-object
+    (tmp_path / ".mok_source.json").write_text(json.dumps(stamp))
+    monkeypatch.setattr(P, "REPO", tmp_path)
+    monkeypatch.setattr(P, "STAMP", tmp_path / ".mok_source.json")
+    assert P.source_state() == ("f" * 40, False, [])
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert P.source_state() == ("f" * 40, True, ["a.py"])
+
+
 def test_report_marks_failures():
     shape = S.get_shape("tiny")
     local = S.ep8_proxy(shape)
@@ -452,6 +484,8 @@ def test_layer_ep_harness_on_two_gloo_ranks(tmp_path):
     assert len(mok) == 4
     # benchmarks.report puts the EP table under its own markers, after the EP=1 table's.
     from benchmarks import report
+    data["meta"].update(git_commit="ab" * 20, git_dirty=False)  # as from a committed tree
+    files[0].write_text(json.dumps(data))
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n## Status\n\nPerformance numbers appear here.\n\n"
                       f"{report.START}\nold EP=1 table\n{report.END}\n\n## Next\n")
