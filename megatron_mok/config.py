@@ -16,11 +16,15 @@ TILE_M = 128
 class MoKConfig:
     """Tuning knobs of the fused MoE layer.
 
-    fwd_num_comm_sms / bwd_num_comm_sms: SMs that run the communication CTAs
-        (pull dispatch, push combine) in the forward / backward megakernel.
-    minibatch_size: rows per readiness counter, the unit of comm/compute overlap.
-    macrobatch_size: rows of the routed-activation ring buffer; a multiple of the
-        minibatch. A ring at least as large as the routed rows is used once.
+    fwd_num_comm_sms: SMs that run the communication CTAs (pull dispatch, push combine)
+        in the forward megakernel's comm mode, when no autotuned plan says otherwise.
+    minibatch_size: rows per readiness counter of the forward megakernel, the unit of
+        comm/compute overlap, when no autotuned plan says otherwise.
+    bwd_num_comm_sms, macrobatch_size: MoK's backward comm SMs and ring size, kept so
+        MoK-shaped code and upstream Megatron-LM launch scripts run; the Hopper backend
+        does not use them (its backward pulls in every CTA's producer warps, and it keeps
+        every routed row for the backward instead of reusing a ring). macrobatch_size
+        must still be a multiple of minibatch_size.
     schedule_capacity_multiplier: worst-case fraction of all EP tokens x top-k that
         may land on one rank; sizes the static row table (overflow is an error).
     backend: "auto" (kernel where the GPU supports it, reference otherwise),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+import warnings
 
 from megatron_mok.config import BACKENDS, MAIN_GRAD_FUSION, MoKConfig
 
@@ -29,22 +30,53 @@ def register_mok_dispatcher_type() -> None:
     TransformerConfig.__annotations__["moe_token_dispatcher_type"] = widened
 
 
+# Knobs MoK (and upstream Megatron-LM's MoK integration) has that the Hopper backend does
+# not use: accepted so launch scripts written for them run, with a warning when set.
+_UNUSED_ON_HOPPER = {
+    "mok_bwd_comm_sms": "the Hopper backward megakernel has no dedicated comm CTAs (every "
+                        "CTA's producer warps pull dy)",
+    "mok_macrobatch_size": "the Hopper pass keeps every routed row for the backward (one "
+                           "pass over a full-size buffer, no ring reuse)",
+}
+
+
+class _MegakernelBackend(argparse.Action):
+    """`--moe-megakernel-backend mok` (upstream Megatron-LM's name for the switch) sets
+    `--moe-token-dispatcher-type mok`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.moe_token_dispatcher_type = DISPATCHER_TYPE
+
+
 def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron `extra_args_provider`: the MoKConfig knobs as `--mok-*` flags (upstream
-    Megatron-LM's MoK knob names, `--mok-fwd-num-comm-sms` etc., are accepted too)."""
+    """Megatron `extra_args_provider`: the MoKConfig knobs as `--mok-*` flags. Upstream
+    Megatron-LM's MoK names are accepted too: `--moe-megakernel-backend mok` for
+    `--moe-token-dispatcher-type mok`, `--mok-fwd-num-comm-sms`, `--mok-bwd-num-comm-sms`,
+    `--mok-schedule-capacity-multiplier` (docs/knobs.md)."""
     defaults = MoKConfig()
     group = parser.add_argument_group(title="megatron_mok")
+    group.add_argument("--moe-megakernel-backend", choices=(DISPATCHER_TYPE,), default=None,
+                       action=_MegakernelBackend,
+                       help="Upstream Megatron-LM's spelling of --moe-token-dispatcher-type mok.")
     group.add_argument("--mok-backend", choices=BACKENDS, default=defaults.backend,
                        help="Backend of the fused MoE pass: auto picks the kernel where the "
                             "GPU supports it, else the PyTorch reference.")
-    group.add_argument("--mok-fwd-comm-sms", "--mok-fwd-num-comm-sms", type=int, default=defaults.fwd_num_comm_sms,
-                       help="SMs running communication CTAs in the forward megakernel.")
-    group.add_argument("--mok-bwd-comm-sms", "--mok-bwd-num-comm-sms", type=int, default=defaults.bwd_num_comm_sms,
-                       help="SMs running communication CTAs in the backward megakernel.")
+    group.add_argument("--mok-fwd-comm-sms", "--mok-fwd-num-comm-sms", type=int,
+                       default=defaults.fwd_num_comm_sms,
+                       help="SMs running communication CTAs in the forward megakernel's comm "
+                            "mode (used when no autotuned plan chooses otherwise).")
+    group.add_argument("--mok-bwd-comm-sms", "--mok-bwd-num-comm-sms", type=int,
+                       default=defaults.bwd_num_comm_sms,
+                       help="Accepted for MoK / upstream Megatron-LM launch scripts; not used "
+                            "on Hopper (a warning says so when set).")
     group.add_argument("--mok-minibatch-size", type=int, default=defaults.minibatch_size,
-                       help="Rows per readiness counter (comm/compute overlap granularity).")
+                       help="Rows per readiness counter of the forward megakernel (the "
+                            "comm/compute overlap unit; used when no autotuned plan chooses "
+                            "otherwise).")
     group.add_argument("--mok-macrobatch-size", type=int, default=defaults.macrobatch_size,
-                       help="Rows of the routed-activation ring buffer.")
+                       help="Accepted for MoK / upstream Megatron-LM launch scripts; not used "
+                            "on Hopper (a warning says so when set).")
     group.add_argument("--mok-capacity-multiplier", "--mok-schedule-capacity-multiplier",
                        type=float,
                        default=defaults.schedule_capacity_multiplier,
@@ -53,8 +85,10 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-debug-checks", action="store_true",
                        help="Validate routing eagerly (host sync) on the kernel backend.")
     group.add_argument("--mok-no-autotune", action="store_true",
-                       help="Ignore the cached autotune plan (megatron_mok.kernels.autotune); use "
-                            "the --mok-* knobs and the launch chain.")
+                       help="Ignore the cached autotune plans (python -m benchmarks.autotune "
+                            "fills them); use the defaults instead: the spread forward "
+                            "megakernel at EP = 1, the launch chain at EP > 1 and in the "
+                            "backward.")
     group.add_argument("--mok-main-grad-fusion", choices=MAIN_GRAD_FUSION,
                        default=defaults.main_grad_fusion,
                        help="Add the expert weight gradients straight into main_grad: auto "
@@ -65,6 +99,13 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def mok_config_from_args(args: argparse.Namespace) -> MoKConfig:
     """MoKConfig from parsed `--mok-*` flags (ValueError names the bad knob)."""
+    defaults = MoKConfig()
+    for name, why in _UNUSED_ON_HOPPER.items():
+        field = {"mok_bwd_comm_sms": "bwd_num_comm_sms",
+                 "mok_macrobatch_size": "macrobatch_size"}[name]
+        if getattr(args, name, getattr(defaults, field)) != getattr(defaults, field):
+            warnings.warn(f"megatron_mok: --{name.replace('_', '-')} has no effect: "
+                          f"{why}", UserWarning, stacklevel=2)
     return MoKConfig(
         fwd_num_comm_sms=args.mok_fwd_comm_sms,
         bwd_num_comm_sms=args.mok_bwd_comm_sms,
