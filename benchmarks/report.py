@@ -76,7 +76,9 @@ def provenance_problem(path: Path) -> Optional[str]:
 
 def merge_results(paths: list) -> tuple[dict, list]:
     """Records of several files, later files replacing the same case of earlier ones; the
-    first file's metadata (the GPUs and peaks of all of them are checked to match)."""
+    first file's metadata (the GPUs and peaks of all of them are checked to match). A
+    record replacing one of the same backend keeps the earlier one's speed-ups over
+    baselines its own run did not time: every ratio stays one measured within one run."""
     meta: dict = {}
     merged: dict = {}
     gpus, peaks = set(), []
@@ -87,7 +89,11 @@ def merge_results(paths: list) -> tuple[dict, list]:
         if m.get("peak_tflops"):
             peaks.append(m["peak_tflops"])
         for r in records:
-            merged[(r["shape"], r["T"], r["routing"], r["pass"], r["backend"])] = r
+            key = (r["shape"], r["T"], r["routing"], r["pass"], r["backend"])
+            if key in merged and r.get("ms"):
+                r = {**r, "speedup": {**(merged[key].get("speedup") or {}),
+                                      **(r.get("speedup") or {})}}
+            merged[key] = r
     if len(gpus) > 1:
         print(f"warning: merging results from different GPUs: {sorted(map(str, gpus))}")
     if len(peaks) > 1:
@@ -187,8 +193,9 @@ def markdown_table(meta: dict, records: list, source: Optional[str] = None) -> s
         head += f"; dense BF16 peak {_tflops(peak)} TFLOP/s measured in the same run"
     if mok_backend:
         head += f"; mok backend `{mok_backend}`"
-    head += (". Median of CUDA-event timings with L2 flushed; forward includes schedule "
-             "building, backward is the backward call only; ×b = b's time / mok's time.")
+    head += (". Median of CUDA-event timings with L2 flushed, the CPU running ahead; forward "
+             "includes schedule building, backward is the backward call only; ×b = b's time "
+             "/ mok's time, both timed in the same run; host ms = CPU time of one layer call.")
     if source:
         head += f" Source: `{source}` (`python -m benchmarks.report` regenerates this table)."
     lines.append(head)
