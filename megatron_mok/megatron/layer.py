@@ -99,7 +99,8 @@ class MokMoELayer(MoELayer):
                  mok_config: Optional[MoKConfig] = None):
         check_mok_supported(config)
         pg_collection = pg_collection or get_default_pg_collection()
-        # MoELayer only builds the stock dispatchers; build a cheap one, then swap in ours.
+        # For "mok" MoELayer would build the unfused contract-mode dispatcher (and warn);
+        # have it build a cheap one, then swap in the fused one.
         dispatcher_type = config.moe_token_dispatcher_type
         config.moe_token_dispatcher_type = "allgather"
         try:
@@ -108,9 +109,10 @@ class MokMoELayer(MoELayer):
         finally:
             config.moe_token_dispatcher_type = dispatcher_type
         self.mok_config = mok_config or MoKConfig()
+        # fused: metadata only (routed_experts_compute runs dispatch + experts + combine).
         self.token_dispatcher = MokTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config,
-            pg_collection=pg_collection)
+            pg_collection=pg_collection, fused=True)
         # Fail at construction on an unknown expert module; lay each weight's experts back
         # to back so that the fused pass reads them stacked without a copy.
         fc1, fc2 = expert_weight_list(self.experts)
