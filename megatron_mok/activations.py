@@ -1,27 +1,114 @@
-"""The expert activation of the spec, written once: SwiGLU on Megatron's GLU layout.
+"""The expert activations of the spec, each written once.
 
-fc1 writes h = [gate; up] along its last dimension (w1 = [gate; up] stacked, DESIGN.md
-section 1); the activation is silu(gate) * up. Both functions compute in fp32 and return
-fp32; callers round where the precision contract says (the reference rounds the
-activation to the model dtype before fc2, the kernels' epilogues do the same in
-registers). Every other module (reference, kernel fallbacks, benchmarks, tests) uses
-these, so the function has one definition.
+fc1 writes h along its last dimension. For gated experts (GLU, Megatron's
+`--gated-linear-unit` / `--swiglu`) w1 = [gate; up] stacked, h = [g; u] with 2I columns,
+and the activation is
+
+    act = f(clamp(g, max=c)) * (clamp(u, -c, c) + offset)
+
+with f = silu for SwiGLU (c = None, offset = 0: the default, and the only one the kernel
+backend runs), f = quick_gelu (x * sigmoid(1.702 x)) with c = 7, offset = 1 for GPT-OSS
+(Megatron's `--activation-func-clamp-value 7 --glu-linear-offset 1` with quick_gelu).
+Non-gated experts (squared-ReLU: Nemotron-style MoE; GeLU) have w1 [I, H] and act = f(h).
+
+Every function computes in fp32 and returns fp32; callers round where the precision
+contract says (the reference rounds the activation to the model dtype before fc2, the
+kernels' epilogues do the same in registers).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x) (GPT-OSS's gate function, Megatron's quick_gelu)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Megatron's squared_relu)."""
+    return torch.pow(F.relu(x), 2)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh,
+    "squared_relu": squared_relu, "relu": F.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertActivation:
+    """What an expert computes between fc1 and fc2 (see the module docstring)."""
+
+    function: str = "silu"
+    gated: bool = True
+    clamp: Optional[float] = None      # GLU only: gate clamped above, linear part to +-c
+    linear_offset: float = 0.0         # GLU only: added to the linear part
+
+    def __post_init__(self):
+        if self.function not in FUNCTIONS:
+            raise ValueError(f"megatron_mok: unknown expert activation {self.function!r}; "
+                             f"known: {', '.join(FUNCTIONS)}")
+        if not self.gated and (self.clamp is not None or self.linear_offset):
+            raise ValueError("megatron_mok: activation clamp and linear offset apply to gated "
+                             "(GLU) experts only")
+        if self.clamp is not None and not self.clamp > 0:
+            raise ValueError(f"megatron_mok: activation clamp must be positive, got {self.clamp}")
+
+    @property
+    def fc1_rows_per_inter(self) -> int:
+        """Rows of w1 per intermediate column: 2 for GLU ([gate; up]), else 1."""
+        return 2 if self.gated else 1
+
+    @property
+    def is_swiglu(self) -> bool:
+        return self == SWIGLU
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] (gated) or [..., I] -> [..., I] fp32 (differentiable)."""
+        f = FUNCTIONS[self.function]
+        h = h.float()
+        if not self.gated:
+            return f(h)
+        gate, up = h.chunk(2, dim=-1)
+        if self.clamp is not None:
+            gate = gate.clamp(max=self.clamp)
+            up = up.clamp(min=-self.clamp, max=self.clamp)
+        return f(gate) * (up + self.linear_offset)
+
+    def describe(self) -> str:
+        if self.is_swiglu:
+            return "SwiGLU"
+        parts = [f"{self.function}{' GLU' if self.gated else ''}"]
+        if self.clamp is not None:
+            parts.append(f"clamp {self.clamp:g}")
+        if self.linear_offset:
+            parts.append(f"linear offset {self.linear_offset:g}")
+        return ", ".join(parts)
+
+
+SWIGLU = ExpertActivation()
+GPT_OSS = ExpertActivation("quick_gelu", gated=True, clamp=7.0, linear_offset=1.0)
+SQUARED_RELU = ExpertActivation("squared_relu", gated=False)
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> [..., I] fp32: silu(gate) * up for h = [gate; up] (differentiable)."""
-    gate, up = h.float().chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return SWIGLU(h)
 
 
 def swiglu_backward(h: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] fp32: d[gate; up] of act = silu(gate) * up, given d_act [..., I]."""
+    """[..., 2I] fp32: d[gate; up] of act = silu(gate) * up, given d_act [..., I] (the
+    closed form the kernels' epilogues compute)."""
     gate, up = h.float().chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     d = d_act.float()
@@ -29,3 +116,25 @@ def swiglu_backward(h: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
     d_up = d * gate * sig
     return torch.cat([d_gate, d_up], dim=-1)
 
+
+def from_megatron(config) -> ExpertActivation:
+    """The expert activation a Megatron TransformerConfig asks for (activation_func,
+    gated_linear_unit, activation_func_clamp_value, glu_linear_offset); ValueError naming
+    the flag for a function the spec does not have."""
+    func = config.activation_func
+    name = getattr(func, "__name__", repr(func))
+    by_object = {F.silu: "silu", F.gelu: "gelu", F.relu: "relu"}
+    function = by_object.get(func)
+    if function is None:
+        aliases = {"silu": "silu", "quick_gelu": "quick_gelu", "squared_relu": "squared_relu",
+                   "gelu": "gelu", "relu": "relu", "fast_gelu": "gelu_tanh",
+                   "openai_gelu": "gelu_tanh", "erf_gelu": "gelu"}
+        function = aliases.get(name)
+    if function is None:
+        raise ValueError(f"--moe-token-dispatcher-type mok: no expert activation {name!r} in "
+                         f"the spec (known: {', '.join(FUNCTIONS)}); pass --swiglu, or "
+                         f"another dispatcher (--moe-token-dispatcher-type alltoall)")
+    gated = bool(config.gated_linear_unit)
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    offset = float(getattr(config, "glu_linear_offset", 0.0) or 0.0)
+    return ExpertActivation(function, gated, clamp if gated else None, offset if gated else 0.0)

@@ -21,6 +21,9 @@ def resolve_backend(config: MoKConfig, device: torch.device,
     """The backend that runs on `device` for activations of `dtype`; forcing an
     unavailable one is an error."""
     available, reason = ops.kernel_backend_status(device, dtype)
+    if available and not config.activation.is_swiglu:
+        available, reason = False, (f"the kernel backend runs SwiGLU experts only, not "
+                                    f"{config.activation.describe()}")
     if config.backend == "kernel" and not available:
         raise RuntimeError(f"megatron_mok: backend='kernel' is not available here: {reason}. "
                            f"Use backend='reference' or 'auto'.")

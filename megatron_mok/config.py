@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_mok.activations import SWIGLU, ExpertActivation
+
 BACKENDS = ("auto", "reference", "kernel")
 MAIN_GRAD_FUSION = ("auto", "on", "off")
 
@@ -37,6 +39,9 @@ class MoKConfig:
         `main_grad` (megatron_mok.grad_accumulation): "auto" follows Megatron's
         --gradient-accumulation-fusion, "on" whenever the parameters have a main_grad,
         "off" never (Megatron's DDP hook adds the returned gradients).
+    activation: the experts' activation (megatron_mok.activations): SwiGLU by default, the
+        only one the kernel backend runs; the others (GPT-OSS's clamped GLU,
+        squared-ReLU, GeLU) run on the reference backend.
     """
 
     fwd_num_comm_sms: int = 24
@@ -48,8 +53,12 @@ class MoKConfig:
     debug_checks: bool = False
     autotune: bool = True
     main_grad_fusion: str = "auto"
+    activation: ExpertActivation = SWIGLU
 
     def __post_init__(self):
+        if not isinstance(self.activation, ExpertActivation):
+            raise ValueError(f"MoKConfig.activation must be a megatron_mok.activations."
+                             f"ExpertActivation, got {self.activation!r}")
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -101,10 +101,10 @@ class MoKGrads:
     d_shared_w2: Optional[torch.Tensor] = None
 
 
-def _check_pass_inputs(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2):
+def _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2):
     topk_idx = sched.topk_idx_all[ws.ep_rank]
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, ep_size=ws.ep_size,
-                     check_values=False)
+                     check_values=False, fc1_rows_per_inter=config.activation.fc1_rows_per_inter)
     if tuple(x.shape) != (ws.num_tokens, ws.hidden_size) or w1.shape[0] != ws.num_local_experts:
         raise ValueError(
             f"x {tuple(x.shape)} / w1 {tuple(w1.shape)} do not match the workspace "
@@ -127,7 +127,7 @@ def forward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, 
 
 
 def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, *, keep_ctx):
-    topk_idx = _check_pass_inputs(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2)
+    topk_idx = _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2)
     backend = "kernel" if ws.arena is not None else "reference"
     if backend == "kernel":
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
@@ -138,7 +138,8 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, *, keep
                    for t in (x, topk_w, w1, w2, shared_w1, shared_w2))
     with torch.enable_grad() if keep_ctx else torch.no_grad():
         y = reference.moe_reference(leaves[0], topk_idx, *leaves[1:], group=ws.group,
-                                    check=False, topk_idx_all=sched.topk_idx_all)
+                                    check=False, topk_idx_all=sched.topk_idx_all,
+                                    activation=config.activation)
     ctx = MoKForwardContext(backend, y.detach() if keep_ctx else None, leaves=leaves,
                             graph=y if keep_ctx else None)
     return y.detach(), ctx
@@ -242,7 +243,8 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
               accumulators: Optional[tuple] = None,
               fold_shared: Optional[bool] = None) -> torch.Tensor:
     """The fused MoE layer with autograd: x [T, H], topk_idx [T, K] (global ids, -1 = none),
-    topk_w [T, K] fp32, w1 [E_loc, 2I, H], w2 [E_loc, H, I], optional shared expert.
+    topk_w [T, K] fp32, w1 [E_loc, 2I, H] ([E_loc, I, H] for a non-gated
+    config.activation), w2 [E_loc, H, I], optional shared expert.
     accumulators: (w1's, w2's) ExpertGradAccumulator, or None for either: backward adds
     that weight's gradient into the accumulator's buffers (Megatron's main_grad) and
     returns an uninitialized placeholder as its gradient. With MOK_SHARED_EXPERT=folded
@@ -250,7 +252,8 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     fold_shared: run a shared expert of the routed experts' width as local expert E_loc
     (megatron_mok.shared_fold); None: as MOK_SHARED_EXPERT says."""
     config = config or MoKConfig()
-    check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False)
+    check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False,
+                     fc1_rows_per_inter=config.activation.fc1_rows_per_inter)
     if accumulators is not None:
         if not isinstance(accumulators, tuple) or len(accumulators) != 2 or not all(
                 a is None or isinstance(a, ExpertGradAccumulator) for a in accumulators):

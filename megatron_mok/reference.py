@@ -5,6 +5,8 @@ global expert e lives on rank e // E_loc):
 
     y[t] = shared(x_t) + sum_k w[t,k] * fc2_e(silu(g) * u),   [g; u] = fc1_e x_t,  e = idx[t,k]
 
+(SwiGLU by default; megatron_mok.activations holds the other expert activations.)
+
 Precision contract: operands in x.dtype, fp32 accumulation, the SwiGLU output
 rounded to x.dtype before fc2, every expert output row (and the shared output)
 rounded to x.dtype, the k-sum in fp32 in fixed k order, rounded once. `-1` routes
@@ -26,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_mok.activations import swiglu
+from megatron_mok.activations import SWIGLU, ExpertActivation
 from megatron_mok.validation import check_moe_inputs, check_same_shape_across_ranks
 
 
@@ -55,14 +57,21 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def expert_mlp(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype,
+               activation: ExpertActivation = SWIGLU) -> torch.Tensor:
+    """One expert on fp32 rows: fc1 -> activation -> round -> fc2 -> round.
+
+    w1 is [2I, H] = [gate; up] (Megatron's GLU layout) for gated activations, [I, H]
+    otherwise; w2 is [H, I].
+    """
+    act = round_to(activation(rows @ w1.float().t()), dtype)
+    return round_to(act @ w2.float().t(), dtype)
+
+
 def swiglu_expert(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
-    """One SwiGLU expert on fp32 rows: fc1 -> silu(gate) * up -> round -> fc2 -> round.
-
-    w1 is [2I, H] = [gate; up] (Megatron's GLU layout), w2 is [H, I].
-    """
-    act = round_to(swiglu(rows @ w1.float().t()), dtype)
-    return round_to(act @ w2.float().t(), dtype)
+    """expert_mlp with SwiGLU (the default expert)."""
+    return expert_mlp(rows, w1, w2, dtype, SWIGLU)
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -108,7 +117,8 @@ def _ep_size_rank(group) -> tuple[int, int]:
 
 
 def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                 group=None, topk_idx_all: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 group=None, topk_idx_all: Optional[torch.Tensor] = None,
+                 activation: ExpertActivation = SWIGLU) -> torch.Tensor:
     """Expert output of every (t, k) route of this rank's tokens: [T, K, H] in fp32
     (values already rounded to x.dtype; -1 routes are zero rows). `topk_idx_all`
     [P, T, K], when the caller already gathered it, saves the routing all-gather."""
@@ -134,7 +144,7 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: 
         route_ids = (flat_idx == first_expert + e).nonzero().squeeze(1)
         if route_ids.numel() == 0:
             continue
-        out = swiglu_expert(x_all[route_ids // topk], w1[e], w2[e], x.dtype)
+        out = expert_mlp(x_all[route_ids // topk], w1[e], w2[e], x.dtype, activation)
         slots = slots.index_copy(0, route_ids, out)
     if ep_size > 1:
         slots = _ReturnRows.apply(slots, group)
@@ -165,21 +175,24 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                   w1: torch.Tensor, w2: torch.Tensor,
                   shared_w1: Optional[torch.Tensor] = None, shared_w2: Optional[torch.Tensor] = None,
                   group=None, check: bool = True,
-                  topk_idx_all: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  topk_idx_all: Optional[torch.Tensor] = None,
+                  activation: ExpertActivation = SWIGLU) -> torch.Tensor:
     """The fused MoE layer of one EP rank. Differentiable in x, topk_w and every weight.
 
     x [T, H]; topk_idx [T, K] int (global expert ids, -1 = no route); topk_w [T, K] fp32;
-    w1 [E_loc, 2I, H]; w2 [E_loc, H, I]; optional shared expert shared_w1 [2Is, H],
-    shared_w2 [H, Is]; group: the EP process group (None = EP 1).
+    w1 [E_loc, 2I, H] ([E_loc, I, H] for a non-gated activation); w2 [E_loc, H, I];
+    optional shared expert shared_w1 [2Is, H] (or [Is, H]), shared_w2 [H, Is], with the
+    same activation; group: the EP process group (None = EP 1); activation: the experts'
+    (megatron_mok.activations; SwiGLU by default).
     """
     ep_size, _ = _ep_size_rank(group)
     if check:
         check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, ep_size=ep_size,
-                         check_values=True)
+                         check_values=True, fc1_rows_per_inter=activation.fc1_rows_per_inter)
         check_same_shape_across_ranks(group, tokens=x.shape[0], hidden=x.shape[1],
                                       topk=topk_idx.shape[1])
-    slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all)
+    slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all, activation)
     shared_out = None
     if shared_w1 is not None:
-        shared_out = swiglu_expert(x.float(), shared_w1, shared_w2, x.dtype)
+        shared_out = expert_mlp(x.float(), shared_w1, shared_w2, x.dtype, activation)
     return combine(slots, topk_idx, topk_w, shared_out, x.dtype)

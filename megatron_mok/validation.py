@@ -33,8 +33,10 @@ def _check_tensor(name: str, t, ndim: int, dtypes, device: Optional[torch.device
 
 
 def check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1=None, shared_w2=None, *,
-                     ep_size: int = 1, check_values: bool = True) -> None:
-    """Validate the arguments of one fused MoE pass (see reference.moe_reference)."""
+                     ep_size: int = 1, check_values: bool = True,
+                     fc1_rows_per_inter: int = 2) -> None:
+    """Validate the arguments of one fused MoE pass (see reference.moe_reference).
+    fc1_rows_per_inter: 2 for gated experts (w1 = [gate; up]), 1 otherwise."""
     _check_tensor("x", x, 2, FLOAT_DTYPES)
     device = x.device
     num_tokens, hidden = x.shape
@@ -49,25 +51,37 @@ def check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1=None, shared_w2=None
         raise ValueError("topk_idx must have at least one route per token (K >= 1)")
     _check_tensor("w1", w1, 3, (x.dtype,), device)
     _check_tensor("w2", w2, 3, (x.dtype,), device)
-    num_local_experts, two_i, w1_hidden = w1.shape
-    if w1_hidden != hidden or two_i % 2:
-        raise ValueError(f"w1 must be [E_loc, 2I, H={hidden}] ([gate; up] stacked), got "
-                         f"{tuple(w1.shape)}")
-    if tuple(w2.shape) != (num_local_experts, hidden, two_i // 2):
-        raise ValueError(f"w2 must be [E_loc={num_local_experts}, H={hidden}, I={two_i // 2}], "
+    num_local_experts, fc1_rows, w1_hidden = w1.shape
+    r = fc1_rows_per_inter
+    layout = "[E_loc, 2I, H={}] ([gate; up] stacked)" if r == 2 else "[E_loc, I, H={}]"
+    if w1_hidden != hidden or fc1_rows % r:
+        raise ValueError(f"w1 must be {layout.format(hidden)}, got {tuple(w1.shape)}")
+    if tuple(w2.shape) != (num_local_experts, hidden, fc1_rows // r):
+        raise ValueError(f"w2 must be [E_loc={num_local_experts}, H={hidden}, I={fc1_rows // r}], "
                          f"got {tuple(w2.shape)}")
     if (shared_w1 is None) != (shared_w2 is None):
         raise ValueError("shared_w1 and shared_w2 must be given together")
     if shared_w1 is not None:
         _check_tensor("shared_w1", shared_w1, 2, (x.dtype,), device)
         _check_tensor("shared_w2", shared_w2, 2, (x.dtype,), device)
-        if shared_w1.shape[1] != hidden or shared_w1.shape[0] % 2:
-            raise ValueError(f"shared_w1 must be [2Is, H={hidden}], got {tuple(shared_w1.shape)}")
-        if tuple(shared_w2.shape) != (hidden, shared_w1.shape[0] // 2):
-            raise ValueError(f"shared_w2 must be [H={hidden}, Is={shared_w1.shape[0] // 2}], got "
+        rows = "2Is" if r == 2 else "Is"
+        if shared_w1.shape[1] != hidden or shared_w1.shape[0] % r:
+            raise ValueError(f"shared_w1 must be [{rows}, H={hidden}], got {tuple(shared_w1.shape)}")
+        if tuple(shared_w2.shape) != (hidden, shared_w1.shape[0] // r):
+            raise ValueError(f"shared_w2 must be [H={hidden}, Is={shared_w1.shape[0] // r}], got "
                              f"{tuple(shared_w2.shape)}")
     if check_values:
         check_expert_ids(topk_idx, num_local_experts * ep_size)
+
+
+def check_kernel_activation(config) -> None:
+    """The kernel backend runs SwiGLU experts only (so far); other activations run on the
+    reference backend. Checked when its workspace is made, before any launch."""
+    activation = config.activation
+    if not activation.is_swiglu:
+        raise ValueError(f"megatron_mok: the kernel backend runs SwiGLU experts only, not "
+                         f"{activation.describe()}; use backend='reference' "
+                         f"(--mok-backend reference), or SwiGLU experts (--swiglu)")
 
 
 def check_kernel_dims(**sizes: int) -> None:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig, schedule_capacity
-from megatron_mok.validation import check_kernel_dims, check_same_shape_across_ranks
+from megatron_mok.validation import check_kernel_activation, check_kernel_dims, \
+    check_same_shape_across_ranks
 
 
 @dataclasses.dataclass
@@ -189,6 +190,7 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
         from megatron_mok.kernels.megakernel import counters_size
 
         check_kernel_dims(hidden_size=hidden_size)
+        check_kernel_activation(config)
         arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,
                                topk, dtype)
         counters = torch.zeros(counters_size(capacity), dtype=torch.int32, device=device)
@@ -207,6 +209,8 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
     keeps the MAX_CACHED_WORKSPACES most recently used (set_workspace_cache_limit)."""
     device = _normalize_device(device)
     symmetric = resolve_backend(config, device, dtype) == "kernel"
+    if symmetric:  # cached workspaces do not know the activation
+        check_kernel_activation(config)
     key = (_group_key(group), str(device), num_local_tokens, hidden_size, topk,
            num_local_experts, dtype, config.schedule_capacity_multiplier, symmetric)
     ws = _CACHE.get(key)

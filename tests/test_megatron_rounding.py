@@ -1,4 +1,4 @@
-"""Where mok's MoE layer and Megatron's own differ: mok applies the routing weights in its
+"""mok's MoE layer against Megatron's own experts. Where they differ: mok applies the routing weights in its
 fp32 combine after fc2 (MoK's convention, DESIGN.md section 1), Megatron's experts multiply
 them into the fc2 input. The same function, rounded at different points: in fp32 the two
 agree to a few 1e-7 relative L2 (README "Limits" quotes this test's bound)."""
@@ -34,3 +34,38 @@ def _rounding_fn(rank, world_size):
 @pytest.mark.slow
 def test_fp32_rounding_against_megatrons_experts():
     run_distributed(_rounding_fn, 1)
+
+
+def _activation_cases():
+    from megatron.core.activations import quick_gelu, squared_relu
+    return {
+        "gpt-oss clamped GLU": dict(activation_func=quick_gelu, activation_func_clamp_value=7.0,
+                                    glu_linear_offset=1.0, bias_activation_fusion=False),
+        "squared-relu": dict(activation_func=squared_relu, gated_linear_unit=False),
+        "gelu": dict(activation_func=torch.nn.functional.gelu, gated_linear_unit=False),
+    }
+
+
+def _activations_fn(rank, world_size):
+    """MokMoELayer with each non-SwiGLU activation Megatron's flags select (reference
+    backend) against Megatron's own experts with the same flags: output, dx and every
+    parameter gradient within fp32 rounding."""
+    contract._setup(world_size)
+    for case, overrides in _activation_cases().items():
+        ref = contract._moe_layer("alltoall", **overrides)
+        fused = contract._fused_layer(**overrides)
+        assert not fused.mok_config.activation.is_swiglu, case
+        fused.load_state_dict(ref.state_dict(), strict=True)
+        (out_ref, gx_ref, g_ref), (out, gx, g) = contract._step(ref, 0), contract._step(fused, 0)
+        err = _rel(out, out_ref)
+        print(f"{case}: output rel L2 {err:.1e}, dx rel L2 {_rel(gx, gx_ref):.1e}")
+        assert 0 < err < FP32_REL_L2 and _rel(gx, gx_ref) < FP32_REL_L2, case
+        assert g.keys() == g_ref.keys()
+        for name in g:
+            assert _rel(g[name], g_ref[name]) < 1e-5, (case, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_other_activations_match_megatrons_experts(ep_size):
+    run_distributed(_activations_fn, ep_size)

@@ -14,18 +14,19 @@ here, naming the flag; nothing falls back silently.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import log_single_rank
 
 from megatron_mok import routing_errors, shared_fold
+from megatron_mok.activations import from_megatron
 from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe, resolve_backend
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
@@ -42,11 +43,6 @@ _UNSUPPORTED = (
     ("moe_latent_size", bool, "--moe-latent-size (latent MoE)",
      "no --moe-latent-size, or another dispatcher (--moe-token-dispatcher-type alltoall)"),
     ("add_bias_linear", bool, "--add-bias-linear (expert biases)", "--disable-bias-linear"),
-    ("gated_linear_unit", lambda v: not v, "non-GLU experts (GeLU, squared-ReLU)",
-     "--swiglu, or another dispatcher for non-GLU experts"),
-    ("activation_func_clamp_value", lambda v: v is not None,
-     "--activation-func-clamp-value (clamped SwiGLU)", "no --activation-func-clamp-value"),
-    ("glu_linear_offset", bool, "--glu-linear-offset", "no --glu-linear-offset"),
     ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input",
      "no --moe-apply-probs-on-input (mok applies the router weights in its combine)"),
     ("moe_pad_expert_input_to_capacity", bool, "--moe-pad-expert-input-to-capacity",
@@ -71,10 +67,7 @@ def check_mok_supported(config) -> None:
         if unsupported(getattr(config, attr, None)):
             raise ValueError(f"--moe-token-dispatcher-type mok does not support {what}; "
                              f"pass {instead}")
-    if config.activation_func is not F.silu:
-        raise ValueError("--moe-token-dispatcher-type mok needs SwiGLU experts; got activation "
-                         f"{getattr(config.activation_func, '__name__', '?')}; pass --swiglu, "
-                         f"or another dispatcher for other activations")
+    from_megatron(config)  # raises, naming the flag, for an activation the spec lacks
 
 
 def expert_weight_list(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -108,7 +101,10 @@ class MokMoELayer(MoELayer):
                              pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
         finally:
             config.moe_token_dispatcher_type = dispatcher_type
-        self.mok_config = mok_config or MoKConfig()
+        # The experts' activation from Megatron's flags: SwiGLU runs on the kernel backend,
+        # the others (GPT-OSS's clamped GLU, squared-ReLU, GeLU) on the reference backend.
+        self.mok_config = dataclasses.replace(mok_config or MoKConfig(),
+                                              activation=from_megatron(config))
         # fused: metadata only (routed_experts_compute runs dispatch + experts + combine).
         self.token_dispatcher = MokTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config,

@@ -1,0 +1,133 @@
+"""The expert activations of the spec (megatron_mok.activations) against their formulas,
+Megatron's own, and through the reference MoE layer; the kernel backend refuses the ones it
+does not run before any launch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_mok import activations as A
+from megatron_mok import reference
+from megatron_mok.config import MoKConfig
+from moe_inputs import make_moe_inputs, rel_l2
+
+
+def _h(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 4
+
+
+def test_swiglu_is_silu_gate_times_up():
+    h = _h(64, 2 * 24)
+    g, u = h.chunk(2, dim=-1)
+    assert torch.equal(A.SWIGLU(h), F.silu(g) * u)
+
+
+def test_swiglu_backward_closed_form_matches_autograd():
+    h = _h(64, 48).double().requires_grad_()
+    d = _h(64, 24, seed=1).double()
+    (auto,) = torch.autograd.grad(A.SWIGLU(h), h, d)
+    torch.testing.assert_close(A.swiglu_backward(h.detach(), d).double(), auto, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_gpt_oss_clamped_glu_formula():
+    """GPT-OSS: quick_gelu(min(g, 7)) * (clamp(u, -7, 7) + 1); values beyond the clamp
+    exist in the input, so the clamp matters."""
+    h = _h(64, 48) * 3
+    g, u = h.chunk(2, dim=-1)
+    assert g.max() > 7 and u.min() < -7
+    want = g.clamp(max=7) * torch.sigmoid(1.702 * g.clamp(max=7)) * (u.clamp(-7, 7) + 1)
+    torch.testing.assert_close(A.GPT_OSS(h), want)
+    assert not torch.allclose(A.GPT_OSS(h), A.ExpertActivation("quick_gelu")(h))
+
+
+def test_non_gated_activations():
+    h = _h(64, 24)
+    assert torch.equal(A.SQUARED_RELU(h), F.relu(h) ** 2)
+    assert torch.equal(A.ExpertActivation("gelu", gated=False)(h), F.gelu(h))
+    with pytest.raises(ValueError, match="gated"):
+        A.ExpertActivation("squared_relu", gated=False, clamp=7.0)
+    with pytest.raises(ValueError, match="unknown"):
+        A.ExpertActivation("tanh")
+
+
+@pytest.mark.parametrize("flags, want", [
+    (dict(activation_func=F.silu, gated_linear_unit=True), A.SWIGLU),
+    (dict(activation_func="quick_gelu", gated_linear_unit=True,
+          activation_func_clamp_value=7.0, glu_linear_offset=1.0), A.GPT_OSS),
+    (dict(activation_func="squared_relu", gated_linear_unit=False), A.SQUARED_RELU),
+    (dict(activation_func=F.gelu, gated_linear_unit=False), A.ExpertActivation("gelu", False)),
+])
+def test_from_megatron_config_matches_megatrons_functions(flags, want):
+    """The activation read from a TransformerConfig computes what Megatron's MLP does
+    with the same flags (megatron.core.activations and its glu())."""
+    from megatron.core import activations as MA
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    func = flags.pop("activation_func")
+    func = getattr(MA, func) if isinstance(func, str) else func
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               activation_func=func, bias_activation_fusion=False, **flags)
+    got = A.from_megatron(config)
+    assert got == want
+    h = _h(64, 48 if want.gated else 24)
+    if config.gated_linear_unit:  # Megatron's MLP.glu, as in megatron/core/transformer/mlp.py
+        g, u = torch.chunk(h, 2, dim=-1)
+        if config.activation_func_clamp_value is not None:
+            c = config.activation_func_clamp_value
+            g, u = g.clamp(max=c), u.clamp(-c, c)
+        megatron = config.activation_func(g) * (u + config.glu_linear_offset)
+    else:
+        megatron = config.activation_func(h)
+    torch.testing.assert_close(got(h), megatron)
+
+
+@pytest.mark.parametrize("activation", [A.GPT_OSS, A.SQUARED_RELU], ids=lambda a: a.function)
+def test_reference_layer_with_other_activations(activation):
+    """moe_reference with a non-SwiGLU activation equals a per-route loop of the formula
+    (fc1 -> activation -> round -> fc2 -> round, weighted fp32 sum), and its gradients
+    flow to every input."""
+    inter, r = 16, activation.fc1_rows_per_inter
+    inputs = make_moe_inputs(inter=inter, shared_inter=8, seed=3)
+    inputs["w1"] = inputs["w1"][:, :r * inter].contiguous()
+    inputs["shared_w1"] = inputs["shared_w1"][:r * 8].contiguous()
+    leaves = {k: (v.detach().clone().requires_grad_() if v.is_floating_point() else v)
+              for k, v in inputs.items()}
+    y = reference.moe_reference(**leaves, activation=activation)
+    x = inputs["x"].float()
+
+    def expert(rows, w1, w2):
+        act = activation(rows @ w1.float().t()).bfloat16().float()
+        return (act @ w2.float().t()).bfloat16().float()
+
+    want = expert(x, inputs["shared_w1"], inputs["shared_w2"])
+    for k in range(inputs["topk_idx"].shape[1]):
+        e = inputs["topk_idx"][:, k]
+        for t in range(x.shape[0]):
+            if e[t] >= 0:
+                want[t] += inputs["topk_w"][t, k] * expert(x[t:t + 1], inputs["w1"][e[t]],
+                                                           inputs["w2"][e[t]])[0]
+    assert rel_l2(y, want) < 1e-2 and y.abs().sum() > 0
+    if activation.gated:  # and not SwiGLU's function
+        assert rel_l2(y, reference.moe_reference(**inputs)) > 1e-2
+    y.float().sum().backward()
+    for name in ("x", "topk_w", "w1", "w2", "shared_w1", "shared_w2"):
+        assert leaves[name].grad is not None and leaves[name].grad.abs().sum() > 0, name
+
+
+def test_non_gated_weights_are_checked():
+    """A non-gated expert's w1 is [E_loc, I, H]: the SwiGLU layout is refused with the
+    expected shape named."""
+    inputs = make_moe_inputs(inter=16)  # w1 [E, 32, H], w2 [E, H, 16]
+    with pytest.raises(ValueError, match="w2 must be .*I=32"):
+        reference.moe_reference(**inputs, activation=A.SQUARED_RELU)
+    inputs["w1"] = inputs["w1"][:, :16].contiguous()
+    reference.moe_reference(**inputs, activation=A.SQUARED_RELU)
+
+
+def test_kernel_backend_refuses_other_activations_before_any_launch():
+    from megatron_mok.validation import check_kernel_activation
+    check_kernel_activation(MoKConfig())
+    with pytest.raises(ValueError, match="SwiGLU experts only.*--mok-backend reference"):
+        check_kernel_activation(MoKConfig(activation=A.GPT_OSS))
+    with pytest.raises(ValueError, match="ExpertActivation"):
+        MoKConfig(activation="swiglu")
