@@ -1,4 +1,4 @@
-"""Tests for megatron_mok.mxfp8 (MXFP8 quantise / dequantise, reference GEMM).
+"""Tests for megatron_mok.fp8_formats (MXFP8 quantise / dequantise, reference GEMM).
 
 Error bound used throughout (derived in the module docstring): with block scale
 s = 2^e and y = x / s, E4M3 keeps 3 mantissa bits, so round-to-nearest-even is
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mok.mxfp8 import (
+from megatron_mok.fp8_formats import (
     BLOCK_SIZE,
     E4M3_MAX,
     E8M0_BIAS,

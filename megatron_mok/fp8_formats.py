@@ -1,6 +1,19 @@
-"""MXFP8 quantise / dequantise, in pure PyTorch (CPU and CUDA, vectorised).
+"""The FP8 formats of the spec, quantise / dequantise in pure PyTorch (CPU and CUDA).
 
-Format (OCP microscaling, MXFP8 with E4M3 elements):
+Two recipes, both with E4M3 elements (``torch.float8_e4m3fn``, max finite 448):
+
+* **Blockwise** (Hopper's recipe: DeepSeek-V3's, Transformer Engine's
+  ``Float8BlockScaling``, Megatron's ``--fp8-recipe blockwise``): activations and
+  gradients in groups of 1 x 128 along the GEMM's K, weights in 128 x 128 blocks, one FP32
+  scale per group or block (``amax / 448``, or with ``pow2_scales`` the power of two
+  ``2^ceil(log2(amax / 448))``). The GEMM contract: dequantise, multiply with fp32
+  accumulation (the kernels promote the FP8 WGMMA accumulators to fp32 every 128 of K and
+  apply the scales there, equal up to fp32 rounding). See "Blockwise" below.
+* **MXFP8** (MoK's Blackwell format; Hopper has no hardware path for it): blocks of 32
+  along K with E8M0 power-of-two scales. Kept as the future Blackwell backend's numerics;
+  nothing runs it on Hopper. Described next.
+
+MXFP8 format (OCP microscaling, MXFP8 with E4M3 elements):
 
 * A tensor is cut into blocks of ``BLOCK_SIZE = 32`` consecutive elements along
   the GEMM's K dimension, which is always the *last* dimension of the stored
@@ -58,6 +71,11 @@ __all__ = [
     "quantize_mxfp8_both",
     "dequantize_mxfp8",
     "mxfp8_matmul_reference",
+    "GROUP_SIZE",
+    "BlockwiseFP8Tensor",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "blockwise_matmul_reference",
 ]
 
 BLOCK_SIZE = 32
@@ -293,3 +311,124 @@ def mxfp8_matmul_reference(a_q: MXFP8Tensor, b_q: MXFP8Tensor) -> torch.Tensor:
     b = b_q.dequantize(torch.float32)
     with _no_tf32():
         return torch.matmul(a, b.transpose(-1, -2))
+
+
+# --------------------------------------------------------------------------- #
+# Blockwise (1 x 128 / 128 x 128, FP32 scales): Hopper's FP8 recipe
+# --------------------------------------------------------------------------- #
+GROUP_SIZE = 128
+
+
+@dataclass
+class BlockwiseFP8Tensor:
+    """A blockwise-FP8 tensor.
+
+    Attributes:
+        data: ``torch.float8_e4m3fn`` ``[..., R, K]``, contiguous, K a multiple of 128.
+        scale: fp32 ``[..., R / block_rows, K / 128]``: one scale per group of
+            ``block_rows`` x 128 elements; the value is ``data * scale``.
+        block_rows: 1 (activations, gradients: 1 x 128 groups along K) or 128
+            (weights: 128 x 128 blocks).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block_rows: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, torch.Tensor) or self.data.dtype != torch.float8_e4m3fn:
+            raise TypeError("BlockwiseFP8Tensor.data must be a torch.float8_e4m3fn tensor")
+        if not isinstance(self.scale, torch.Tensor) or self.scale.dtype != torch.float32:
+            raise TypeError("BlockwiseFP8Tensor.scale must be a torch.float32 tensor")
+        if self.block_rows not in (1, GROUP_SIZE):
+            raise ValueError(f"BlockwiseFP8Tensor.block_rows must be 1 or {GROUP_SIZE}, "
+                             f"got {self.block_rows}")
+        *lead, rows, k = self.data.shape
+        want = (*lead, rows // self.block_rows, k // GROUP_SIZE)
+        if tuple(self.scale.shape) != want:
+            raise ValueError(f"BlockwiseFP8Tensor.scale must have shape {want} for data of "
+                             f"shape {tuple(self.data.shape)}, got {tuple(self.scale.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_blockwise(self, dtype)
+
+
+def _blockwise_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """amax / 448 (fp32), or its power of two rounded up; 1 for an all-zero group (its
+    data is zeros, any scale reproduces it)."""
+    if pow2:
+        scale = _pow2_f32(_block_exponent(amax))
+    else:
+        scale = amax / E4M3_MAX
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def quantize_blockwise(t: torch.Tensor, *, block_rows: int = 1,
+                       pow2_scales: bool = False) -> BlockwiseFP8Tensor:
+    """Quantise a 2-D ``[R, K]`` or 3-D ``[E, R, K]`` tensor along its last dim K.
+
+    ``block_rows=1``: 1 x 128 groups (activations, gradients); ``block_rows=128``:
+    128 x 128 blocks (weights; R a multiple of 128 too). Element value:
+    ``data = rne_e4m3(fl32(x / scale))``, clamped to +-448 (the group's amax maps to
+    448, or below it with power-of-two scales). To quantise along the other dim (the
+    transposed copy a GEMM with the other K needs), pass ``t.transpose(-1, -2)``.
+
+    Raises TypeError for a non-floating tensor and ValueError for a wrong rank, K (or R
+    for weights) not a multiple of 128, or non-finite values.
+    """
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"t must be a floating-point tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() not in (2, 3):
+        raise ValueError(f"t must be 2-D [R, K] or 3-D [E, R, K], got shape {tuple(t.shape)}")
+    if block_rows not in (1, GROUP_SIZE):
+        raise ValueError(f"block_rows must be 1 (1 x 128 groups) or {GROUP_SIZE} "
+                         f"(128 x 128 blocks), got {block_rows}")
+    *lead, rows, k = t.shape
+    if k % GROUP_SIZE or rows % block_rows:
+        what = "K" if k % GROUP_SIZE else "R (weights are 128 x 128 blocks)"
+        raise ValueError(f"blockwise FP8 needs {what} to be a multiple of {GROUP_SIZE}, got "
+                         f"shape {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("t must contain only finite values (found inf or nan)")
+    x = t.float().contiguous()
+    blocks = x.reshape(*lead, rows // block_rows, block_rows, k // GROUP_SIZE, GROUP_SIZE)
+    amax = blocks.abs().amax(dim=(-3, -1))                       # [..., R/br, K/128]
+    scale = _blockwise_scale(amax, pow2_scales)
+    y = blocks / scale.unsqueeze(-2).unsqueeze(-1)
+    data = y.clamp(-E4M3_MAX, E4M3_MAX).reshape(*lead, rows, k).to(torch.float8_e4m3fn)
+    return BlockwiseFP8Tensor(data.contiguous(), scale.contiguous(), block_rows)
+
+
+def dequantize_blockwise(q: BlockwiseFP8Tensor,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale`` per group, formed in fp32 and rounded once to ``dtype``."""
+    if not isinstance(q, BlockwiseFP8Tensor):
+        raise TypeError(f"q must be a BlockwiseFP8Tensor, got {type(q).__name__}")
+    *lead, rows, k = q.data.shape
+    br = q.block_rows
+    vals = q.data.float().reshape(*lead, rows // br, br, k // GROUP_SIZE, GROUP_SIZE)
+    out = vals * q.scale.unsqueeze(-2).unsqueeze(-1)
+    return out.reshape(*lead, rows, k).to(dtype)
+
+
+def blockwise_matmul_reference(a_q: BlockwiseFP8Tensor, b_q: BlockwiseFP8Tensor
+                               ) -> torch.Tensor:
+    """The blockwise FP8 GEMM contract: fp32 ``a @ b^T`` of the dequantised operands.
+
+    ``a_q`` ``[M, K]`` (1 x 128 groups), ``b_q`` ``[N, K]`` (128 x 128 blocks, or 1 x 128
+    for the wgrad's gradient operand); batched ``[E, M, K]`` x ``[E, N, K]`` too.
+    """
+    for name, q in (("a_q", a_q), ("b_q", b_q)):
+        if not isinstance(q, BlockwiseFP8Tensor):
+            raise TypeError(f"{name} must be a BlockwiseFP8Tensor, got {type(q).__name__}")
+    if a_q.data.dim() != b_q.data.dim() or a_q.shape[-1] != b_q.shape[-1] or (
+            a_q.data.dim() == 3 and a_q.shape[0] != b_q.shape[0]):
+        raise ValueError(f"a_q [.., M, K] and b_q [.., N, K] must share K (and E), got "
+                         f"shapes {tuple(a_q.shape)} and {tuple(b_q.shape)}")
+    with _no_tf32():
+        return torch.matmul(a_q.dequantize(), b_q.dequantize().transpose(-1, -2))
