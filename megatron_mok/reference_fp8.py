@@ -1,0 +1,130 @@
+"""The FP8 (blockwise) MoE layer of the spec, in pure PyTorch: every quantisation point
+explicit (docs/fp8.md when the kernels land; DESIGN.md section 1).
+
+Forward, per expert e (rows of the tokens routed to it):
+    x        quantised once per token, 1 x 128 groups along H (fc1's K)
+    w1, w2   quantised in 128 x 128 blocks along their K (H for fc1, I for fc2)
+    h        = dq(x) @ dq(w1)^T in fp32; act = SwiGLU(h) in fp32
+    act      quantised 1 x 128 along I (fc2's K)
+    out      = dq(act) @ dq(w2)^T in fp32, rounded to bf16 per row
+    y[t]     = shared(x_t) (BF16, as in MoK: FP8 there hurt stability)
+               + sum_k w[t,k] * out_tk in fp32, fixed k order, rounded once
+Backward (each GEMM's own quantisation of its operands):
+    dgrad    dY quantised 1 x 128 along the output features; the weight's transpose
+             quantised in 128 x 128 blocks along those features (the weights' second
+             layout): d_in = dq(dY) @ dq(W^T)^T
+    wgrad    "fp8": both operands quantised 1 x 128 along the tokens (each expert's rows
+             padded with zeros to a multiple of 128, which adds nothing); "bf16": the
+             operands as bf16, fp32 accumulation
+    SwiGLU backward and the routing-weight gradient in fp32.
+The weights are quantised from their bf16 values at every call here; the kernels quantise
+them once per optimizer step, the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_mok.activations import SWIGLU, swiglu_backward
+from megatron_mok.fp8_formats import GROUP_SIZE, quantize_blockwise
+from megatron_mok.reference import combine, expert_mlp, round_to
+from megatron_mok.validation import check_moe_inputs
+
+WGRAD_MODES = ("fp8", "bf16")
+
+
+def _dq_act(t: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """t [M, K] through 1 x 128 groups along K: the values an FP8 GEMM reads."""
+    return quantize_blockwise(t, block_rows=1, pow2_scales=pow2).dequantize()
+
+
+def _dq_weight(w: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """w [N, K] through 128 x 128 blocks."""
+    return quantize_blockwise(w, block_rows=GROUP_SIZE, pow2_scales=pow2).dequantize()
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % GROUP_SIZE
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+
+class _FP8Linear(torch.autograd.Function):
+    """out [M, N] fp32 = dq(q(a)) @ dq(q(w))^T for a [M, K] (1 x 128), w [N, K] (128 x 128),
+    with the backward's quantisation points of the module docstring."""
+
+    @staticmethod
+    def forward(ctx, a, w, pow2: bool, wgrad: str):
+        ctx.save_for_backward(a, w)
+        ctx.pow2, ctx.wgrad = pow2, wgrad
+        return _dq_act(a.float(), pow2) @ _dq_weight(w.float(), pow2).t()
+
+    @staticmethod
+    def backward(ctx, d_out):
+        a, w = ctx.saved_tensors
+        pow2 = ctx.pow2
+        d_out = d_out.float()
+        d_a = _dq_act(d_out, pow2) @ _dq_weight(w.float().t().contiguous(), pow2).t()
+        if ctx.wgrad == "fp8":  # K = tokens: both operands grouped along them
+            d_w = (_dq_act(_pad_rows(d_out).t().contiguous(), pow2)
+                   @ _dq_act(_pad_rows(a.float()).t().contiguous(), pow2).t())
+        else:
+            d_w = d_out.to(torch.bfloat16).float().t() @ a.to(torch.bfloat16).float()
+        return d_a.to(a.dtype), d_w.to(w.dtype), None, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """fp32 SwiGLU with the closed-form backward the kernels' epilogues compute."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return SWIGLU(h)
+
+    @staticmethod
+    def backward(ctx, d_act):
+        (h,) = ctx.saved_tensors
+        return swiglu_backward(h, d_act)
+
+
+def fp8_expert(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype, *,
+               pow2_scales: bool = False, wgrad: str = "fp8") -> torch.Tensor:
+    """One SwiGLU expert in blockwise FP8: rows [M, H] -> out [M, H] (rounded to dtype,
+    held in fp32)."""
+    h = _FP8Linear.apply(rows, w1, pow2_scales, wgrad)
+    act = _SwiGLU.apply(h)
+    out = _FP8Linear.apply(act, w2, pow2_scales, wgrad)
+    return round_to(out, dtype)
+
+
+def moe_reference_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                      w1: torch.Tensor, w2: torch.Tensor,
+                      shared_w1: Optional[torch.Tensor] = None,
+                      shared_w2: Optional[torch.Tensor] = None, *,
+                      pow2_scales: bool = False, wgrad: str = "fp8") -> torch.Tensor:
+    """The blockwise-FP8 MoE layer at EP = 1, differentiable in x, topk_w and every weight.
+    Shapes as reference.moe_reference (SwiGLU experts); H and I must be multiples of 128
+    (the recipe's group size): ValueError otherwise."""
+    check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2)
+    hidden, inter = x.shape[1], w2.shape[2]
+    if hidden % GROUP_SIZE or inter % GROUP_SIZE:
+        raise ValueError(f"blockwise FP8 needs H and I to be multiples of {GROUP_SIZE}, got "
+                         f"H={hidden}, I={inter}; run those layers in BF16")
+    if wgrad not in WGRAD_MODES:
+        raise ValueError(f"wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+    num_tokens, topk = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    anchor = (w1.float().sum() + w2.float().sum()) * 0  # every weight stays in the graph
+    slots = x.new_zeros(flat.numel(), hidden, dtype=torch.float32) + anchor
+    for e in range(w1.shape[0]):
+        route_ids = (flat == e).nonzero().squeeze(1)
+        if route_ids.numel() == 0:
+            continue
+        out = fp8_expert(x[route_ids // topk], w1[e], w2[e], x.dtype,
+                         pow2_scales=pow2_scales, wgrad=wgrad)
+        slots = slots.index_copy(0, route_ids, out)
+    shared_out = None
+    if shared_w1 is not None:
+        shared_out = expert_mlp(x.float(), shared_w1, shared_w2, x.dtype)
+    return combine(slots.view(num_tokens, topk, hidden), topk_idx, topk_w, shared_out, x.dtype)
