@@ -2,7 +2,7 @@
 saves for the backward.
 
 The kernel backend (kernels.backend) strings these together when a pass does not run as
-a megakernel, and the autotuner (kernels.autotune) times them against the megakernel
+a megakernel, and the tuner (kernels.tuning) times them against the megakernel
 plans; both import them from here, so neither reaches into the other. Expert GEMMs run
 on our Hopper grouped-GEMM core (kernels.grouped_gemm) or, with MOK_GEMM_CORE=torch, on
 `torch._grouped_mm` (side-by-side benchmarks).
