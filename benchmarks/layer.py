@@ -1063,6 +1063,8 @@ def run(args) -> tuple[Path, list]:
                             _free_memory(device)
                         records.append(rec)
                         progress.step(f"{label} {name} {which}")
+                        # after every pass: a run cut by a time limit keeps what it timed
+                        write_results(path, meta, records, complete=False)
                 write_results(path, meta, records, complete=False)
                 del case, ref
                 _free_memory(device)
