@@ -45,8 +45,8 @@ from benchmarks import shapes as S
 from megatron_mok.reference import rel_l2
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ("mok", "sonicmoe", "torch-unfused", "megatron-alltoall")
-BASELINES = ("sonicmoe", "torch-unfused", "megatron-alltoall")
+BACKENDS = ("mok", "sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall")
+BASELINES = ("sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall")
 HOST_CALLS = 5  # layer calls timed on the host alone (each after a sync, none inside)
 PASSES = ("fwd", "bwd")
 CHECK_TOL = 1e-2
@@ -444,20 +444,29 @@ class MegatronBackend(Backend):
     name = "megatron-alltoall"
 
     def __init__(self, local: S.LocalShape, weights: Weights, device, seed: int = 0,
-                 ep_size: int = 1, flex_backend: str = ""):
+                 ep_size: int = 1, flex_backend: str = "", require_te: bool = False):
         super().__init__(weights)
         if flex_backend:
             self.name = f"megatron-flex-{flex_backend}"
+        if require_te:
+            self.name = "megatron-te"
         self.local = local
         self.ep_size = ep_size
         self.device = torch.device(device)
         self._route = None
-        # Megatron-LM's defaults first (TE grouped GEMM + fused permute where TE imports,
-        # fused SwiGLU), then plainer variants; the first that builds and runs a smoke
-        # forward + backward is used, and what failed before it is recorded.
+        # megatron-te: TEGroupedMLP + fused permute (Megatron-LM's defaults with TE), fused
+        # SwiGLU if it builds; megatron-alltoall: the local spec (SequentialMLP). The first
+        # variant that builds and runs a smoke forward + backward is used, and what failed
+        # before it is recorded.
         attempts = [(True, True, True), (True, True, False), (True, False, True),
                     (False, False, True), (False, False, False)]
-        if not te_available():
+        if require_te:  # Megatron-LM users' default: TEGroupedMLP, fused permute, TE only
+            if not te_available():
+                raise RuntimeError("megatron-te needs Transformer Engine (import "
+                                   "transformer_engine.pytorch failed); scripts/gpu_check.sh "
+                                   "TE=1 unpacks it on the GPU machine")
+            attempts = [a for a in attempts if a[0] and a[1]]
+        else:  # Megatron without TE: the local spec's SequentialMLP
             attempts = [a for a in attempts if not a[0]]
         errors = []
         for use_te, permute_fusion, act_fusion in attempts:
@@ -535,6 +544,8 @@ def make_backend(name: str, local: S.LocalShape, weights: Weights, device, args)
         return TorchUnfusedBackend(weights, device)
     if name == "megatron-alltoall":
         return MegatronBackend(local, weights, device, seed=args.seed)
+    if name == "megatron-te":
+        return MegatronBackend(local, weights, device, seed=args.seed, require_te=True)
     if name == "sonicmoe":
         from benchmarks.sonicmoe_baseline import SonicMoEBackend
         return SonicMoEBackend(weights, device)

@@ -26,7 +26,7 @@ PLOTS_DIR = REPO / "benchmarks" / "plots"
 README = REPO / "README.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 SUBJECT = "mok"
-BASELINES = ("sonicmoe", "torch-unfused", "megatron-alltoall")  # EP=1 (benchmarks.layer)
+BASELINES = ("sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall")  # EP=1 (benchmarks.layer)
 # Column order for whatever baselines a results file holds (benchmarks.layer_ep adds the
 # all-to-all and flex ones); a baseline with no timing at all (skipped) gets no column.
 BASELINE_ORDER = ("sonicmoe", "megatron-te", "torch-unfused", "torch-a2a", "megatron-alltoall", "megatron-flex-deepep",

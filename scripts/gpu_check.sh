@@ -13,6 +13,10 @@
 #   $OUT/autotune_cache.json), which the layer benchmark's `mok` then uses.
 #   SONIC=1 unpacks SonicMoE from .sonic/ (../shared/tools/stage_sonicmoe.sh) so the layer
 #   benchmark's `sonicmoe` baseline runs (its kernels compile on first use per shape).
+#   TE=1 unpacks Transformer Engine from .te/ (../shared/tools/te/te_h200_bundle.tar.xz copied
+#   there) so the GPU tests run with TE on the path and the layer benchmark's `megatron-te`
+#   baseline (alltoall + TEGroupedMLP + fused permute) runs. The TE bundle and the SonicMoE
+#   archive do not fit in one call's carry: use separate calls.
 #   TESTS_TIMEOUT (s) bounds the GPU tests.
 # Before the call, on the development machine: commit, then `python -m benchmarks.provenance`
 # (writes .mok_source.json; carry it) so results name the commit and git_dirty: false.
@@ -28,6 +32,13 @@ if [ "${SONIC:-0}" = 1 ]; then
   export PYTHONPATH=/tmp/sonic:/tmp/sonic/nvidia_cutlass_dsl/python_packages:$PYTHONPATH
   export QUACK_CACHE_DIR=/tmp/quack_cache QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
   $PY -c "import sonicmoe; print('sonicmoe importable')" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+fi
+
+if [ "${TE:-0}" = 1 ]; then
+  mkdir -p /tmp/te && tar -C /tmp/te -xJf .te/te_h200_bundle.tar.xz
+  export PYTHONPATH=/tmp/te/site:$PYTHONPATH LD_PRELOAD=/tmp/te/shim/libte_cublaslt_shim.so
+  $PY -c "import torch, transformer_engine.pytorch; print('transformer_engine importable')" 2>&1 \
+    | tail -1 | tee -a "$OUT/gpu.txt"
 fi
 
 status=0

@@ -543,3 +543,19 @@ def test_sustained_sampler_summarises_the_settled_half():
     s = sampler.summary("dense")
     assert s == {"sm_mhz": 1440.0, "power_w": 695.0, "samples": 3}  # the last three
     assert sampler.summary("missing") == {"sm_mhz": None, "power_w": None, "samples": 0}
+
+
+def test_megatron_te_baseline_needs_te_and_alltoall_stays_local(tmp_path):
+    """megatron-te (alltoall + TEGroupedMLP + fused permute) never falls back to the local
+    spec: without Transformer Engine it is recorded as unavailable, saying so, while
+    megatron-alltoall runs Megatron's local SequentialMLP and passes its check."""
+    if L.te_available():
+        pytest.skip("Transformer Engine is installed here")
+    args = L.parse_args(["--device", "cpu", "--quick", "--shapes", "tiny", "--tokens", "64",
+                         "--backends", "megatron-te,megatron-alltoall", "--pass", "fwd",
+                         "--out", str(tmp_path)])
+    _, records = L.run(args)
+    by_backend = {r["backend"]: r for r in records}
+    assert "needs Transformer Engine" in by_backend["megatron-te"]["error"]
+    local = by_backend["megatron-alltoall"]
+    assert local["correct"] and local["info"]["experts_module"] == "SequentialMLP"
