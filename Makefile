@@ -5,7 +5,7 @@
 VENV      := .venv
 PY        := $(VENV)/bin/python
 PYTHON312 ?= $(shell scripts/find_python312.sh)
-DEPS      := torch==2.11.0 "megatron-core>=0.19,<0.20" nvidia-cutlass==4.2.0.0 ninja numpy pytest psutil
+DEPS      := torch==2.11.0 "megatron-core>=0.19,<0.20" nvidia-cutlass==4.2.0.0 ninja numpy pytest psutil pyflakes
 CSRC      := $(shell find csrc -type f)
 
 .PHONY: install demo test test-gpu gpu-check clean reliability

@@ -132,8 +132,9 @@ def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
             if i >= warmup:
                 times.append((start, end))
         torch.cuda.synchronize(dy.device)
-        timings[backward_planplan_name(plan)] = statistics.median(s.elapsed_time(e) for s, e in times)
-    best = min(plans, key=lambda p: timings[backward_planplan_name(p)])
+        timings[autotune.backward_plan_name(plan)] = statistics.median(
+            s.elapsed_time(e) for s, e in times)
+    best = min(plans, key=lambda p: timings[autotune.backward_plan_name(p)])
     if save:
         autotune.store(autotune.backward_key(ws, w1.shape[1] // 2), best, timings)
     return best, timings
