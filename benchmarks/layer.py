@@ -1,5 +1,5 @@
 """EP=1 MoE layer benchmark: the fused `mok` pass vs `torch-unfused` and Megatron-Core's
-`alltoall` MoE layer, on the ep8-proxy shapes of ../shared/BENCHMARKS.md.
+`alltoall` MoE layer, on the ep8-proxy shapes of docs/benchmarks.md.
 
     python -m benchmarks.layer [--shapes a,b] [--tokens 4096,8192] [--routing balanced]
         [--backends mok,torch-unfused,megatron-alltoall] [--pass fwd,bwd]

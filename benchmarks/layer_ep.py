@@ -4,7 +4,7 @@
         [--routing balanced,skewed] [--backends mok,torch-a2a] [--pass fwd,bwd]
         [--warmup 10] [--iters 30] [--out benchmarks/results] [--device cuda]
 
-Every rank holds E/ep experts of the full shape (../shared/BENCHMARKS.md) and T tokens
+Every rank holds E/ep experts of the full shape (docs/benchmarks.md) and T tokens
 routed over all E experts (per-rank seeds). Backends:
 
   mok        megatron_mok.functional.fused_moe over the EP group (symmetric memory on

@@ -1,4 +1,4 @@
-"""Benchmark shapes (../shared/BENCHMARKS.md) and routing workloads.
+"""Benchmark shapes (docs/benchmarks.md) and routing workloads.
 
 A shape is one model's MoE layer (H, I, E, K, shared I). The EP=1 layer benchmark runs
 its "ep8 proxy": one rank's share of an EP8 run, E_loc = E / 8 local experts and T

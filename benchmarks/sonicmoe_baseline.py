@@ -11,10 +11,11 @@ copies are made once, outside any timing, and their gradients are mapped back to
 layout for the correctness check. SonicMoE has no shared expert: where a shape has one, it
 runs as the same two BF16 GEMMs torch-unfused uses (cuBLAS), added in fp32.
 
-Staging on the GPU machine (no package registry there): `../shared/tools/stage_sonicmoe.sh`
-packs it; unpack to /tmp/sonic and put /tmp/sonic and
-/tmp/sonic/nvidia_cutlass_dsl/python_packages on PYTHONPATH (scripts/gpu_check.sh's
-SONIC=1 does both). Its first call per shape JIT-compiles CuTe DSL kernels (minutes):
+Staging for a GPU machine without a package registry: install the wheels sonic-moe
+0.1.2.post1, quack-kernels 0.4.1, nvidia-cutlass-dsl(-libs-base) 4.4.2, apache-tvm-ffi and
+torch-c-dlpack-ext into one folder (`pip install --no-deps --target`), pack it as
+.sonic/sonic_site.tar.xz; scripts/gpu_check.sh's SONIC=1 unpacks it to /tmp/sonic and puts
+/tmp/sonic and /tmp/sonic/nvidia_cutlass_dsl/python_packages on PYTHONPATH. Its first call per shape JIT-compiles CuTe DSL kernels (minutes):
 `first_call_s` in the backend's info says how long, and it happens before any timing.
 """
 

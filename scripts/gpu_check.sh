@@ -11,12 +11,13 @@
 #   BENCH_TIMEOUT (s) bounds it (it keeps what it measured when cut short).
 #   AUTOTUNE=1 first caches the fastest plans per shape (benchmarks.autotune, cache in
 #   $OUT/autotune_cache.json), which the layer benchmark's `mok` then uses.
-#   SONIC=1 unpacks SonicMoE from .sonic/ (../shared/tools/stage_sonicmoe.sh) so the layer
-#   benchmark's `sonicmoe` baseline runs (its kernels compile on first use per shape).
-#   TE=1 unpacks Transformer Engine from .te/ (../shared/tools/te/te_h200_bundle.tar.xz copied
-#   there) so the GPU tests run with TE on the path and the layer benchmark's `megatron-te`
-#   baseline (alltoall + TEGroupedMLP + fused permute) runs. The TE bundle and the SonicMoE
-#   archive do not fit in one call's carry: use separate calls.
+#   SONIC=1 unpacks SonicMoE from .sonic/sonic_site.tar.xz (benchmarks/sonicmoe_baseline.py
+#   says how to pack it) so the layer benchmark's `sonicmoe` baseline runs (its kernels
+#   compile on first use per shape: minutes).
+#   TE=1 unpacks Transformer Engine 2.20.2 from .te/te_h200_bundle.tar.xz (the TE wheel's
+#   tree and its torch extension built for torch 2.11) so the GPU tests run with TE on the
+#   path and the layer benchmark's `megatron-te` baseline (alltoall + TEGroupedMLP + fused
+#   permute) runs.
 #   TESTS_TIMEOUT (s) bounds the GPU tests.
 # Before the call, on the development machine: commit, then `python -m benchmarks.provenance`
 # (writes .mok_source.json; carry it) so results name the commit and git_dirty: false.

@@ -27,7 +27,7 @@ from megatron_mok.reference import moe_reference  # noqa: E402
 # ----------------------------------------------------------------------------------------
 
 def test_shapes_match_benchmarks_md():
-    want = {  # name: (H, I, E, K, shared I) from ../shared/BENCHMARKS.md
+    want = {  # name: (H, I, E, K, shared I) from docs/benchmarks.md
         "qwen3-30b-a3b": (2048, 768, 128, 8, 0),
         "deepseek-v3": (7168, 2048, 256, 8, 2048),
         "dsv4-pro": (7168, 3072, 384, 6, 3072),
@@ -334,7 +334,7 @@ README_TEXT = """# project
 | a | b |
 
 Performance numbers appear here once the kernel backend lands (measured per
-`../shared/BENCHMARKS.md`, saved under `benchmarks/results/`).
+`docs/benchmarks.md`, saved under `benchmarks/results/`).
 
 ## Next section
 
