@@ -67,14 +67,23 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def expert_mlp(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype,
-               activation: ExpertActivation = SWIGLU) -> torch.Tensor:
-    """One expert on fp32 rows: fc1 -> activation -> round -> fc2 -> round.
+               activation: ExpertActivation = SWIGLU, b1: Optional[torch.Tensor] = None,
+               b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One expert on fp32 rows: fc1 (+ b1) -> activation -> round -> fc2 (+ b2) -> round.
 
     w1 is [2I, H] = [gate; up] (Megatron's GLU layout) for gated activations, [I, H]
-    otherwise; w2 is [H, I].
+    otherwise; w2 is [H, I]; optional biases b1 [2I] (or [I]) and b2 [H] (GPT-OSS's). The
+    routing weight later scales the whole output, b2 included, as Megatron's experts do
+    (p * (fc2(act) + b2)).
     """
-    act = round_to(activation(rows @ w1.float().t()), dtype)
-    return round_to(act @ w2.float().t(), dtype)
+    h = rows @ w1.float().t()
+    if b1 is not None:
+        h = h + b1.float()
+    act = round_to(activation(h), dtype)
+    out = act @ w2.float().t()
+    if b2 is not None:
+        out = out + b2.float()
+    return round_to(out, dtype)
 
 
 def swiglu_expert(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -127,7 +136,8 @@ def _ep_size_rank(group) -> tuple[int, int]:
 
 def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  group=None, topk_idx_all: Optional[torch.Tensor] = None,
-                 activation: ExpertActivation = SWIGLU) -> torch.Tensor:
+                 activation: ExpertActivation = SWIGLU, b1: Optional[torch.Tensor] = None,
+                 b2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Expert output of every (t, k) route of this rank's tokens: [T, K, H] in fp32
     (values already rounded to x.dtype; -1 routes are zero rows). `topk_idx_all`
     [P, T, K], when the caller already gathered it, saves the routing all-gather."""
@@ -146,6 +156,9 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: 
     # the backward's collectives then run on every rank, and unused experts get zero
     # gradients rather than None. Adds exact zeros.
     anchor = x_all[:0].sum() + (w1.float().sum() + w2.float().sum()) * 0
+    for bias in (b1, b2):
+        if bias is not None:
+            anchor = anchor + bias.float().sum() * 0
     slots = xf.new_zeros(flat_idx.numel(), x.shape[1]) + anchor
     first_expert = ep_rank * num_local_experts
     for e in range(num_local_experts):
@@ -153,7 +166,8 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: 
         route_ids = (flat_idx == first_expert + e).nonzero().squeeze(1)
         if route_ids.numel() == 0:
             continue
-        out = expert_mlp(x_all[route_ids // topk], w1[e], w2[e], x.dtype, activation)
+        out = expert_mlp(x_all[route_ids // topk], w1[e], w2[e], x.dtype, activation,
+                         None if b1 is None else b1[e], None if b2 is None else b2[e])
         slots = slots.index_copy(0, route_ids, out)
     if ep_size > 1:
         slots = _ReturnRows.apply(slots, group)
@@ -185,14 +199,16 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                   shared_w1: Optional[torch.Tensor] = None, shared_w2: Optional[torch.Tensor] = None,
                   group=None, check: bool = True,
                   topk_idx_all: Optional[torch.Tensor] = None,
-                  activation: ExpertActivation = SWIGLU) -> torch.Tensor:
+                  activation: ExpertActivation = SWIGLU, b1: Optional[torch.Tensor] = None,
+                  b2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused MoE layer of one EP rank. Differentiable in x, topk_w and every weight.
 
     x [T, H]; topk_idx [T, K] int (global expert ids, -1 = no route); topk_w [T, K] fp32;
     w1 [E_loc, 2I, H] ([E_loc, I, H] for a non-gated activation); w2 [E_loc, H, I];
     optional shared expert shared_w1 [2Is, H] (or [Is, H]), shared_w2 [H, Is], with the
     same activation; group: the EP process group (None = EP 1); activation: the experts'
-    (megatron_mok.activations; SwiGLU by default).
+    (megatron_mok.activations; SwiGLU by default); b1 [E_loc, 2I] / b2 [E_loc, H]: the
+    routed experts' biases (GPT-OSS), both or neither.
     """
     ep_size, _ = _ep_size_rank(group)
     if check:
@@ -200,7 +216,15 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                          check_values=True, fc1_rows_per_inter=activation.fc1_rows_per_inter)
         check_same_shape_across_ranks(group, tokens=x.shape[0], hidden=x.shape[1],
                                       topk=topk_idx.shape[1])
-    slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all, activation)
+    if (b1 is None) != (b2 is None):
+        raise ValueError("b1 and b2 must be given together")
+    if b1 is not None:
+        if tuple(b1.shape) != tuple(w1.shape[:2]) or tuple(b2.shape) != (w2.shape[0], w2.shape[1]):
+            raise ValueError(f"b1 must be [E_loc, {w1.shape[1]}] and b2 [E_loc, {w2.shape[1]}], "
+                             f"got {tuple(b1.shape)} and {tuple(b2.shape)}")
+        if b1.dtype != x.dtype or b2.dtype != x.dtype or b1.device != x.device:
+            raise ValueError(f"b1 and b2 must be {x.dtype} on {x.device}")
+    slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all, activation, b1, b2)
     shared_out = None
     if shared_w1 is not None:
         shared_out = expert_mlp(x.float(), shared_w1, shared_w2, x.dtype, activation)

@@ -131,3 +131,33 @@ def test_kernel_backend_refuses_other_activations_before_any_launch():
         check_kernel_activation(MoKConfig(activation=A.GPT_OSS))
     with pytest.raises(ValueError, match="ExpertActivation"):
         MoKConfig(activation="swiglu")
+
+
+def test_expert_biases_scale_with_the_routing_weight():
+    """b1 enters before the activation, b2 after fc2, and the routing weight scales the
+    whole expert output, b2 included (Megatron's p * (fc2(act) + b2))."""
+    inputs = make_moe_inputs(inter=16, seed=5, drop_fraction=0.0)
+    g = torch.Generator().manual_seed(6)
+    e_loc, two_i, hidden = inputs["w1"].shape
+    b1 = torch.randn(e_loc, two_i, generator=g).bfloat16()
+    b2 = torch.randn(e_loc, hidden, generator=g).bfloat16()
+    y = reference.moe_reference(**inputs, activation=A.GPT_OSS, b1=b1, b2=b2)
+    x, idx, w = inputs["x"].float(), inputs["topk_idx"], inputs["topk_w"]
+    want = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            h = x[t] @ inputs["w1"][e].float().t() + b1[e].float()
+            act = A.GPT_OSS(h).bfloat16().float()
+            out = (act @ inputs["w2"][e].float().t() + b2[e].float()).bfloat16().float()
+            want[t] += w[t, k] * out
+    assert rel_l2(y, want.bfloat16()) < 1e-2
+    assert rel_l2(y, reference.moe_reference(**inputs, activation=A.GPT_OSS)) > 0.05
+    b1.requires_grad_(), b2.requires_grad_()
+    reference.moe_reference(**inputs, activation=A.GPT_OSS, b1=b1, b2=b2).float().sum().backward()
+    assert b1.grad.abs().sum() > 0 and b2.grad.abs().sum() > 0
+    b1, b2 = b1.detach(), b2.detach()
+    with pytest.raises(ValueError, match="together"):
+        reference.moe_reference(**inputs, b1=b1)
+    with pytest.raises(ValueError, match="b1 must be"):
+        reference.moe_reference(**inputs, b1=b1[:, :8], b2=b2)
