@@ -240,6 +240,8 @@ def run(args, group, device) -> list:
                         dist.barrier(group)  # ranks start together; collectives keep them so
                         times, host_ms, _ = timed(timer, backend, case, args.warmup, args.iters)
                         ms = max_over_ranks(statistics.median(times), group)
+                        # the slowest rank's host time (it includes waiting for peers)
+                        host_ms = None if host_ms is None else max_over_ranks(host_ms, group)
                         rec = L.make_record(meta, shape, local, num_tokens, routing, name,
                                             which, peak, times=[ms], check=check,
                                             info=backend.info, warmup=args.warmup,

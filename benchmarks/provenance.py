@@ -6,7 +6,9 @@ run, `python -m benchmarks.provenance` (on the development machine) refuses an
 uncommitted tree and writes .mok_source.json: HEAD and the git blob id of every file it
 tracks. Carried with the run, it lets `source_state()` on the GPU machine hash the files
 that are there and compare: results then say git_commit = that commit and git_dirty =
-false only if every tracked file is byte-identical to the commit's.
+false only if every tracked file is byte-identical to the commit's and no source file
+outside it came along. Where git shows commits after the stamped one (a stamp left
+behind on the development machine), git is asked instead.
 """
 
 from __future__ import annotations
@@ -64,9 +66,36 @@ def source_state() -> tuple[Optional[str], Optional[bool], list]:
         commit, dirty = _git_state()
         return commit, dirty, []
     stamp = json.loads(STAMP.read_text())
+    if (REPO / ".git").exists() and _head_is_newer(stamp["commit"]):
+        return _git_state() + ([],)  # a stale stamp left behind here: git knows better
     differ = [name for name, sha in sorted(stamp["blobs"].items())
               if not (REPO / name).is_file() or blob_id(REPO / name) != sha]
+    # Source files that travelled but are not in the stamp (added since) count too.
+    differ += [name for name in _source_files() if name not in stamp["blobs"]]
     return stamp["commit"], bool(differ), differ
+
+
+SOURCE_DIRS = ("megatron_mok", "benchmarks", "csrc", "scripts", "tests")
+SOURCE_SUFFIXES = (".py", ".sh", ".cu", ".cuh", ".cpp", ".h")
+
+
+def _source_files() -> list:
+    return [str(p.relative_to(REPO)) for d in SOURCE_DIRS for p in sorted((REPO / d).rglob("*"))
+            if p.is_file() and p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts]
+
+
+def _head_is_newer(stamped: str) -> bool:
+    """git works here and HEAD is a commit other than the stamped one whose history
+    contains it (the stamp predates later commits), so the stamp is stale."""
+    try:
+        head = _git("rev-parse", "HEAD").strip()
+        if head == stamped:
+            return False
+        subprocess.run(["git", "merge-base", "--is-ancestor", stamped, head], cwd=REPO,
+                       capture_output=True, timeout=30, check=True)
+        return True
+    except Exception:
+        return False
 
 
 def main() -> int:

@@ -115,16 +115,17 @@ def moe_reference_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
         raise ValueError(f"wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
     num_tokens, topk = topk_idx.shape
     flat = topk_idx.reshape(-1)
+    xf = x.float()  # dx sums over the routes in fp32, rounded once (as the BF16 spec)
     anchor = (w1.float().sum() + w2.float().sum()) * 0  # every weight stays in the graph
     slots = x.new_zeros(flat.numel(), hidden, dtype=torch.float32) + anchor
     for e in range(w1.shape[0]):
         route_ids = (flat == e).nonzero().squeeze(1)
         if route_ids.numel() == 0:
             continue
-        out = fp8_expert(x[route_ids // topk], w1[e], w2[e], x.dtype,
+        out = fp8_expert(xf[route_ids // topk], w1[e], w2[e], x.dtype,
                          pow2_scales=pow2_scales, wgrad=wgrad)
         slots = slots.index_copy(0, route_ids, out)
     shared_out = None
     if shared_w1 is not None:
-        shared_out = expert_mlp(x.float(), shared_w1, shared_w2, x.dtype)
+        shared_out = expert_mlp(xf, shared_w1, shared_w2, x.dtype)
     return combine(slots.view(num_tokens, topk, hidden), topk_idx, topk_w, shared_out, x.dtype)

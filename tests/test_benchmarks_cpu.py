@@ -412,6 +412,10 @@ def test_provenance_stamp_detects_changed_files(tmp_path, monkeypatch):
     assert P.source_state() == ("f" * 40, False, [])
     (tmp_path / "a.py").write_text("x = 2\n")
     assert P.source_state() == ("f" * 40, True, ["a.py"])
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "new.py").write_text("y = 1\n")  # travelled, not stamped
+    assert P.source_state() == ("f" * 40, True, ["benchmarks/new.py"])
 
 
 def test_report_marks_failures():
