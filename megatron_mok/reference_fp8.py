@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megatron_mok.activations import SWIGLU, swiglu_backward
+from megatron_mok.activations import SWIGLU
 from megatron_mok.fp8_formats import GROUP_SIZE, quantize_blockwise
 from megatron_mok.reference import combine, expert_mlp, round_to
 from megatron_mok.validation import check_moe_inputs
@@ -74,26 +74,12 @@ class _FP8Linear(torch.autograd.Function):
         return d_a.to(a.dtype), d_w.to(w.dtype), None, None
 
 
-class _SwiGLU(torch.autograd.Function):
-    """fp32 SwiGLU with the closed-form backward the kernels' epilogues compute."""
-
-    @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        return SWIGLU(h)
-
-    @staticmethod
-    def backward(ctx, d_act):
-        (h,) = ctx.saved_tensors
-        return swiglu_backward(h, d_act)
-
-
 def fp8_expert(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype, *,
                pow2_scales: bool = False, wgrad: str = "fp8") -> torch.Tensor:
     """One SwiGLU expert in blockwise FP8: rows [M, H] -> out [M, H] (rounded to dtype,
     held in fp32)."""
     h = _FP8Linear.apply(rows, w1, pow2_scales, wgrad)
-    act = _SwiGLU.apply(h)
+    act = SWIGLU(h)
     out = _FP8Linear.apply(act, w2, pow2_scales, wgrad)
     return round_to(out, dtype)
 

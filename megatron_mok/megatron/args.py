@@ -32,12 +32,12 @@ def register_mok_dispatcher_type() -> None:
 
 # Knobs MoK (and upstream Megatron-LM's MoK integration) has that the Hopper backend does
 # not use: accepted so launch scripts written for them run, with a warning when set.
-_UNUSED_ON_HOPPER = {
-    "mok_bwd_comm_sms": "the Hopper backward megakernel has no dedicated comm CTAs (every "
-                        "CTA's producer warps pull dy)",
-    "mok_macrobatch_size": "the Hopper pass keeps every routed row for the backward (one "
-                           "pass over a full-size buffer, no ring reuse)",
-}
+_UNUSED_ON_HOPPER = (  # (argument, MoKConfig field, why)
+    ("mok_bwd_comm_sms", "bwd_num_comm_sms", "the Hopper backward megakernel has no "
+     "dedicated comm CTAs (every CTA's producer warps pull dy)"),
+    ("mok_macrobatch_size", "macrobatch_size", "the Hopper pass keeps every routed row for "
+     "the backward (one pass over a full-size buffer, no ring reuse)"),
+)
 
 
 class _MegakernelBackend(argparse.Action):
@@ -100,9 +100,7 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def mok_config_from_args(args: argparse.Namespace) -> MoKConfig:
     """MoKConfig from parsed `--mok-*` flags (ValueError names the bad knob)."""
     defaults = MoKConfig()
-    for name, why in _UNUSED_ON_HOPPER.items():
-        field = {"mok_bwd_comm_sms": "bwd_num_comm_sms",
-                 "mok_macrobatch_size": "macrobatch_size"}[name]
+    for name, field, why in _UNUSED_ON_HOPPER:
         if getattr(args, name, getattr(defaults, field)) != getattr(defaults, field):
             warnings.warn(f"megatron_mok: --{name.replace('_', '-')} has no effect: "
                           f"{why}", UserWarning, stacklevel=2)
