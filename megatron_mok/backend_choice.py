@@ -24,6 +24,8 @@ def resolve_backend(config: MoKConfig, device: torch.device,
     if available and not config.activation.is_swiglu:
         available, reason = False, (f"the kernel backend runs SwiGLU experts only, not "
                                     f"{config.activation.describe()}")
+    if available and config.expert_bias:
+        available, reason = False, "the kernel backend runs experts without biases only"
     if config.backend == "kernel" and not available:
         raise RuntimeError(f"megatron_mok: backend='kernel' is not available here: {reason}. "
                            f"Use backend='reference' or 'auto'.")

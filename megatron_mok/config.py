@@ -42,6 +42,8 @@ class MoKConfig:
     activation: the experts' activation (megatron_mok.activations): SwiGLU by default, the
         only one the kernel backend runs; the others (GPT-OSS's clamped GLU,
         squared-ReLU, GeLU) run on the reference backend.
+    expert_bias: the routed experts have fc1 and fc2 biases (Megatron's --add-bias-linear,
+        GPT-OSS); the reference backend runs them, the kernel backend does not yet.
     """
 
     fwd_num_comm_sms: int = 24
@@ -54,6 +56,7 @@ class MoKConfig:
     autotune: bool = True
     main_grad_fusion: str = "auto"
     activation: ExpertActivation = SWIGLU
+    expert_bias: bool = False
 
     def __post_init__(self):
         if not isinstance(self.activation, ExpertActivation):
@@ -77,6 +80,8 @@ class MoKConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m:
             raise ValueError(
                 f"MoKConfig.schedule_capacity_multiplier must be a positive number, got {m!r}")
+        if not isinstance(self.expert_bias, bool):
+            raise ValueError(f"MoKConfig.expert_bias must be a bool, got {self.expert_bias!r}")
         if not isinstance(self.autotune, bool):
             raise ValueError(f"MoKConfig.autotune must be a bool, got {self.autotune!r}")
         if self.main_grad_fusion not in MAIN_GRAD_FUSION:

@@ -6,6 +6,8 @@
     y, ctx = forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2)
     grads  = backward(config, ws, sched, ctx, dy)
 
+(b1=, b2= add the routed experts' biases, GPT-OSS's; the reference backend runs them.)
+
 or, with autograd, `fused_moe(x, topk_idx, topk_w, w1, w2, ...)`. With `accumulators`
 (megatron_mok.grad_accumulation) the weight gradients are added into caller-owned buffers
 (Megatron's main_grad) and placeholders are returned in their place.
@@ -28,7 +30,8 @@ from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table
-from megatron_mok.validation import check_expert_ids, check_kernel_dims, check_moe_inputs
+from megatron_mok.validation import check_expert_biases, check_expert_ids, check_kernel_dims, \
+    check_moe_inputs
 from megatron_mok.workspace import MoKWorkspace, clear_workspace_cache, create_workspace, \
     get_workspace
 
@@ -99,12 +102,25 @@ class MoKGrads:
     dw2: torch.Tensor
     d_shared_w1: Optional[torch.Tensor] = None
     d_shared_w2: Optional[torch.Tensor] = None
+    db1: Optional[torch.Tensor] = None
+    db2: Optional[torch.Tensor] = None
 
 
-def _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2):
+# The differentiable inputs of a pass, in MoKFunction's order; MoKGrads names their grads.
+_LEAVES = ("x", "topk_w", "w1", "w2", "shared_w1", "shared_w2", "b1", "b2")
+_GRAD_NAMES = ("dx", "d_topk_w", "dw1", "dw2", "d_shared_w1", "d_shared_w2", "db1", "db2")
+
+
+def _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
+                       b1=None, b2=None):
     topk_idx = sched.topk_idx_all[ws.ep_rank]
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, ep_size=ws.ep_size,
                      check_values=False, fc1_rows_per_inter=config.activation.fc1_rows_per_inter)
+    check_expert_biases(b1, b2, w1, w2, x)
+    if (b1 is not None) != config.expert_bias:
+        raise ValueError(f"megatron_mok: biases b1/b2 {'given' if b1 is not None else 'missing'}"
+                         f" but MoKConfig.expert_bias is {config.expert_bias}; pass both "
+                         f"biases with expert_bias=True, or neither")
     if tuple(x.shape) != (ws.num_tokens, ws.hidden_size) or w1.shape[0] != ws.num_local_experts:
         raise ValueError(
             f"x {tuple(x.shape)} / w1 {tuple(w1.shape)} do not match the workspace "
@@ -113,33 +129,41 @@ def _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w
 
 
 def recompute_forward_context(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule,
-                              x, topk_w, w1, w2, shared_w1=None, shared_w2=None
-                              ) -> MoKForwardContext:
+                              x, topk_w, w1, w2, shared_w1=None, shared_w2=None, b1=None,
+                              b2=None) -> MoKForwardContext:
     """Rebuild the forward context (activation recompute) without keeping the output."""
-    _, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, keep_ctx=True)
+    _, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2,
+                      keep_ctx=True)
     return ctx
 
 
 def forward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2,
-            shared_w1=None, shared_w2=None) -> tuple[torch.Tensor, MoKForwardContext]:
+            shared_w1=None, shared_w2=None, b1=None, b2=None
+            ) -> tuple[torch.Tensor, MoKForwardContext]:
     """y [T, H] in x.dtype and the context backward needs."""
-    return _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, keep_ctx=True)
+    return _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2,
+                    keep_ctx=True)
 
 
-def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, *, keep_ctx):
-    topk_idx = _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2)
+def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None, b2=None, *,
+             keep_ctx):
+    topk_idx = _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
+                                  b1, b2)
     backend = "kernel" if ws.arena is not None else "reference"
     if backend == "kernel":
+        if b1 is not None:
+            raise ValueError("megatron_mok: the kernel backend runs experts without biases "
+                             "only; use a workspace of backend='reference' for b1/b2")
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
                                           keep_ctx, config)
         return y, MoKForwardContext(backend, y if keep_ctx else None, saved=saved)
     sched.check_errors()  # the reference is not sync-free anyway
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)
-                   for t in (x, topk_w, w1, w2, shared_w1, shared_w2))
+                   for t in (x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2))
     with torch.enable_grad() if keep_ctx else torch.no_grad():
-        y = reference.moe_reference(leaves[0], topk_idx, *leaves[1:], group=ws.group,
+        y = reference.moe_reference(leaves[0], topk_idx, *leaves[1:6], group=ws.group,
                                     check=False, topk_idx_all=sched.topk_idx_all,
-                                    activation=config.activation)
+                                    activation=config.activation, b1=leaves[6], b2=leaves[7])
     ctx = MoKForwardContext(backend, y.detach() if keep_ctx else None, leaves=leaves,
                             graph=y if keep_ctx else None)
     return y.detach(), ctx
@@ -162,15 +186,16 @@ def backward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: MoKFo
                                         accumulators)
         ctx.saved = None
         return MoKGrads(*grads)
-    wanted = [t for t in ctx.leaves if t is not None]
-    grads = torch.autograd.grad(ctx.graph, wanted, grad_output, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads)]
+    wanted = {name: t for name, t in zip(_GRAD_NAMES, ctx.leaves) if t is not None}
+    grads = torch.autograd.grad(ctx.graph, list(wanted.values()), grad_output, allow_unused=True)
+    grads = {name: torch.zeros_like(t) if g is None else g
+             for (name, t), g in zip(wanted.items(), grads)}
     ctx.graph = None
-    for i, acc in zip((2, 3), accumulators or ()):  # dw1, dw2
+    for name, acc in zip(("dw1", "dw2"), accumulators or ()):
         if acc is not None:
-            acc.add_(grads[i])
-            grads[i] = acc.finish(grads[i])
-    return MoKGrads(*grads)
+            acc.add_(grads[name])
+            grads[name] = acc.finish(grads[name])
+    return MoKGrads(**grads)
 
 
 def synchronize(ws: MoKWorkspace, timeout_s: Optional[float] = None) -> None:
@@ -211,14 +236,13 @@ class MoKFunction(torch.autograd.Function):
     and backward rebuilds the context first (activation checkpointing)."""
 
     @staticmethod
-    def forward(fctx, x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute,
-                accumulators=None):
-        y, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
+    def forward(fctx, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2, config, ws, sched,
+                recompute, accumulators=None):
+        y, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2,
                           keep_ctx=not recompute)
         fctx.mok = (config, ws, sched, ctx if not recompute else None, accumulators)
-        fctx.has_shared = shared_w1 is not None
         if recompute:
-            fctx.save_for_backward(x, topk_w, w1, w2, shared_w1, shared_w2)
+            fctx.save_for_backward(x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2)
         return y
 
     @staticmethod
@@ -232,7 +256,7 @@ class MoKFunction(torch.autograd.Function):
                              for a, want in zip(accumulators or (None, None), wanted))
         g = backward(config, ws, sched, ctx, dy.contiguous(), accumulators)
         fctx.mok = None
-        return (g.dx, g.d_topk_w, g.dw1, g.dw2, g.d_shared_w1, g.d_shared_w2,
+        return (g.dx, g.d_topk_w, g.dw1, g.dw2, g.d_shared_w1, g.d_shared_w2, g.db1, g.db2,
                 None, None, None, None, None)
 
 
@@ -241,7 +265,8 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
               shared_w2: Optional[torch.Tensor] = None, *, group=None,
               config: Optional[MoKConfig] = None, recompute: bool = False,
               accumulators: Optional[tuple] = None,
-              fold_shared: Optional[bool] = None) -> torch.Tensor:
+              fold_shared: Optional[bool] = None, b1: Optional[torch.Tensor] = None,
+              b2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused MoE layer with autograd: x [T, H], topk_idx [T, K] (global ids, -1 = none),
     topk_w [T, K] fp32, w1 [E_loc, 2I, H] ([E_loc, I, H] for a non-gated
     config.activation), w2 [E_loc, H, I], optional shared expert.
@@ -250,10 +275,16 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     returns an uninitialized placeholder as its gradient. With MOK_SHARED_EXPERT=folded
     and accumulators of E_loc + 1 buffers, the last one takes the shared weight's.
     fold_shared: run a shared expert of the routed experts' width as local expert E_loc
-    (megatron_mok.shared_fold); None: as MOK_SHARED_EXPERT says."""
+    (megatron_mok.shared_fold); None: as MOK_SHARED_EXPERT says.
+    b1 [E_loc, 2I] (or [E_loc, I]) and b2 [E_loc, H]: the routed experts' biases (GPT-OSS),
+    both or neither; the routing weight scales b2 with the expert's output, as Megatron's
+    experts do. They set config.expert_bias (the kernel backend runs no biases yet)."""
     config = config or MoKConfig()
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False,
                      fc1_rows_per_inter=config.activation.fc1_rows_per_inter)
+    check_expert_biases(b1, b2, w1, w2, x)
+    if (b1 is not None) != config.expert_bias:
+        config = dataclasses.replace(config, expert_bias=b1 is not None)
     if accumulators is not None:
         if not isinstance(accumulators, tuple) or len(accumulators) != 2 or not all(
                 a is None or isinstance(a, ExpertGradAccumulator) for a in accumulators):
@@ -263,7 +294,7 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     # Accumulators then hold E_loc + 1 buffers, the shared weight's last.
     if fold_shared is None:
         fold_shared = shared_fold.mode() == "folded"
-    if fold_shared and shared_fold.foldable(w1, w2, shared_w1, shared_w2) \
+    if fold_shared and b1 is None and shared_fold.foldable(w1, w2, shared_w1, shared_w2) \
             and all(a is None or a.shape[0] == w1.shape[0] + 1 for a in accumulators or ()):
         ep_rank = torch.distributed.get_rank(group) if group is not None else 0
         topk_idx, topk_w = shared_fold.fold_routing(topk_idx, topk_w, w1.shape[0], ep_rank)
@@ -279,5 +310,5 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     if ws.arena is not None:  # before the schedule's launches
         check_kernel_dims(intermediate_size=w1.shape[1] // 2)
     sched = build_schedule(ws, config, topk_idx)
-    return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, config, ws, sched, recompute,
-                             accumulators)
+    return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2, config, ws, sched,
+                             recompute, accumulators)

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_mok.activations import SWIGLU, ExpertActivation
-from megatron_mok.validation import check_moe_inputs, check_same_shape_across_ranks
+from megatron_mok.validation import check_expert_biases, check_moe_inputs, \
+    check_same_shape_across_ranks
 
 
 class _RoundTo(torch.autograd.Function):
@@ -216,14 +217,7 @@ def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                          check_values=True, fc1_rows_per_inter=activation.fc1_rows_per_inter)
         check_same_shape_across_ranks(group, tokens=x.shape[0], hidden=x.shape[1],
                                       topk=topk_idx.shape[1])
-    if (b1 is None) != (b2 is None):
-        raise ValueError("b1 and b2 must be given together")
-    if b1 is not None:
-        if tuple(b1.shape) != tuple(w1.shape[:2]) or tuple(b2.shape) != (w2.shape[0], w2.shape[1]):
-            raise ValueError(f"b1 must be [E_loc, {w1.shape[1]}] and b2 [E_loc, {w2.shape[1]}], "
-                             f"got {tuple(b1.shape)} and {tuple(b2.shape)}")
-        if b1.dtype != x.dtype or b2.dtype != x.dtype or b1.device != x.device:
-            raise ValueError(f"b1 and b2 must be {x.dtype} on {x.device}")
+    check_expert_biases(b1, b2, w1, w2, x)
     slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all, activation, b1, b2)
     shared_out = None
     if shared_w1 is not None:

@@ -74,14 +74,32 @@ def check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1=None, shared_w2=None
         check_expert_ids(topk_idx, num_local_experts * ep_size)
 
 
+def check_expert_biases(b1, b2, w1, w2, x) -> None:
+    """The routed experts' biases: both or neither; b1 [E_loc, fc1 rows], b2 [E_loc, H],
+    in x's dtype, on x's device, contiguous."""
+    if (b1 is None) != (b2 is None):
+        raise ValueError("b1 and b2 must be given together")
+    if b1 is None:
+        return
+    _check_tensor("b1", b1, 2, (x.dtype,), x.device)
+    _check_tensor("b2", b2, 2, (x.dtype,), x.device)
+    if tuple(b1.shape) != tuple(w1.shape[:2]) or tuple(b2.shape) != tuple(w2.shape[:2]):
+        raise ValueError(f"b1 must be [E_loc, {w1.shape[1]}] and b2 [E_loc, {w2.shape[1]}], "
+                         f"got {tuple(b1.shape)} and {tuple(b2.shape)}")
+
+
 def check_kernel_activation(config) -> None:
-    """The kernel backend runs SwiGLU experts only (so far); other activations run on the
-    reference backend. Checked when its workspace is made, before any launch."""
+    """The kernel backend runs SwiGLU experts without biases only (so far); the others run
+    on the reference backend. Checked when its workspace is made, before any launch."""
     activation = config.activation
     if not activation.is_swiglu:
         raise ValueError(f"megatron_mok: the kernel backend runs SwiGLU experts only, not "
                          f"{activation.describe()}; use backend='reference' "
                          f"(--mok-backend reference), or SwiGLU experts (--swiglu)")
+    if config.expert_bias:
+        raise ValueError("megatron_mok: the kernel backend runs experts without biases only; "
+                         "use backend='reference' (--mok-backend reference), or no expert "
+                         "biases (--disable-bias-linear)")
 
 
 def check_kernel_dims(**sizes: int) -> None:

@@ -208,7 +208,7 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
     multiplier; allocates the symmetric arena when the kernel backend will run. The cache
     keeps the MAX_CACHED_WORKSPACES most recently used (set_workspace_cache_limit)."""
     device = _normalize_device(device)
-    symmetric = resolve_backend(config, device, dtype) == "kernel"  # SwiGLU only
+    symmetric = resolve_backend(config, device, dtype) == "kernel"  # SwiGLU, no biases
     key = (_group_key(group), str(device), num_local_tokens, hidden_size, topk,
            num_local_experts, dtype, config.schedule_capacity_multiplier, symmetric)
     ws = _CACHE.get(key)

@@ -315,7 +315,6 @@ def test_fp8_recipes_fail_naming_blockwise_as_hoppers():
 
 
 @pytest.mark.parametrize("kwargs, flag", [
-    ({"add_bias_linear": True}, "--add-bias-linear"),
     ({"activation_func": torch.tanh}, "--swiglu"),
     ({"moe_mlp_glu_interleave_size": 32}, "--moe-mlp-glu-interleave-size"),
     ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size"),

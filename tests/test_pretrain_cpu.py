@@ -29,10 +29,11 @@ STEP_RE = re.compile(
 _RUNS: dict = {}
 
 
-def _train(dispatcher: str, ep: int, extra: tuple = ()) -> list[float]:
-    """Losses of an ITERS-step run (cached per (dispatcher, ep, extra flags) for the
-    session)."""
-    key = (dispatcher, ep, extra)
+def _train(dispatcher: str, ep: int, extra: tuple = (), config=CONFIG,
+           want_log: str = "") -> list[float]:
+    """Losses of an ITERS-step run (cached per (dispatcher, ep, extra flags, config) for
+    the session); want_log: a line the run's output must hold."""
+    key = (dispatcher, ep, extra, str(config))
     if key in _RUNS:
         return _RUNS[key]
     env = dict(os.environ)
@@ -42,7 +43,7 @@ def _train(dispatcher: str, ep: int, extra: tuple = ()) -> list[float]:
         PYTHON=sys.executable,
         NPROC=str(ep),
     )
-    cmd = ["bash", str(TRAIN_SH), str(CONFIG), dispatcher,
+    cmd = ["bash", str(TRAIN_SH), str(config), dispatcher,
            "--train-iters", str(ITERS), "--expert-model-parallel-size", str(ep), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=240)
@@ -52,6 +53,7 @@ def _train(dispatcher: str, ep: int, extra: tuple = ()) -> list[float]:
     assert [int(s[0]) for s in steps] == list(range(1, ITERS + 1)), out[-6000:]
     assert all(int(s[1]) == ITERS for s in steps)
     assert all(float(s[4]) > 0 for s in steps), "tokens/s must be positive"
+    assert want_log in out, f"no {want_log!r} in the run's output:\n{out[-6000:]}"
     losses = [float(s[2]) for s in steps]
     _RUNS[key] = losses
     return losses
@@ -111,3 +113,37 @@ def test_mok_adds_expert_grads_into_megatron_main_grad():
     plain = _train("mok", 1)
     worst = max(abs(a - b) for a, b in zip(plain, fused))
     assert worst < 1e-4, f"fused main_grad diverges by {worst}:\n{plain}\n{fused}"
+
+
+# configs/gpt_oss_120b.args at CPU size: its GPT-OSS features (clamped quick-GeLU GLU with
+# the linear offset, biases on every linear, attention sinks, sliding-window layers, YaRN)
+# all kept; only the widths shrink, and the GPU-only / bf16 flags go.
+GPT_OSS_SHRINK = (
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "64",
+    "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",
+    "--seq-length", "64", "--window-size", "16,0", "--num-experts", "8",
+    "--moe-ffn-hidden-size", "32", "--vocab-size", "512", "--micro-batch-size", "2",
+    "--global-batch-size", "4", "--num-workers", "0", "--lr-warmup-iters", "0",
+    "--lr", "1e-3", "--log-interval", "1", "--manual-gc-interval", "0")
+
+
+def test_gpt_oss_120b_config_trains_as_alltoall(tmp_path):
+    """EP = 2 (Megatron's own SequentialMLP with biases cannot run a backward at EP = 1,
+    TP = 1: tests/test_megatron_rounding.py says why): mok (the reference backend runs the
+    clamped GLU and the biases) follows the alltoall twin to fp32 rounding, step by step."""
+    text = (REPO / "configs" / "gpt_oss_120b.args").read_text()
+    flags = " ".join(line.split("#")[0] for line in text.splitlines())
+    for flag in ("--quick-geglu", "--activation-func-clamp-value 7.0", "--glu-linear-offset 1.0",
+                 "--softmax-type learnable", "--window-attn-skip-freq 2",
+                 "--position-embedding-type yarn"):
+        assert flag in flags, flag
+    assert "--disable-bias-linear" not in flags and "--swiglu" not in flags
+    config = tmp_path / "gpt_oss_120b_cpu.args"
+    config.write_text(text.replace("--moe-grouped-gemm", "").replace("--bf16", "")
+                      .replace("--use-distributed-optimizer", ""))
+    mok = _train("mok", 2, GPT_OSS_SHRINK, config,
+                 want_log="MoE layer 1 runs the reference backend")
+    ref = _train("alltoall", 2, GPT_OSS_SHRINK, config)
+    assert all(math.isfinite(x) for x in mok) and mok[-1] < mok[0], mok
+    worst = max(abs(a - b) for a, b in zip(ref, mok))
+    assert worst < 1e-4, f"mok diverges from alltoall by {worst}:\n{ref}\n{mok}"

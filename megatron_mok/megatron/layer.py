@@ -45,7 +45,6 @@ _UNSUPPORTED = (
     ("moe_mlp_glu_interleave_size", bool,
      "--moe-mlp-glu-interleave-size (gate/up rows interleaved in fc1)",
      "no --moe-mlp-glu-interleave-size (mok reads fc1 as [gate; up])"),
-    ("add_bias_linear", bool, "--add-bias-linear (expert biases)", "--disable-bias-linear"),
     ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input",
      "no --moe-apply-probs-on-input (mok applies the router weights in its combine)"),
     ("moe_pad_expert_input_to_capacity", bool, "--moe-pad-expert-input-to-capacity",
@@ -103,6 +102,23 @@ def expert_weight_list(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]
                      f"{type(experts).__name__}")
 
 
+def expert_bias_list(experts) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Per-expert fc1 [2I] and fc2 [H] biases (--add-bias-linear), or None without them."""
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        fc1 = [e.linear_fc1.bias for e in experts.local_experts]
+        fc2 = [e.linear_fc2.bias for e in experts.local_experts]
+    else:  # TEGroupedMLP
+        n = experts.num_local_experts
+        fc1 = [getattr(experts.linear_fc1, f"bias{i}", None) for i in range(n)]
+        fc2 = [getattr(experts.linear_fc2, f"bias{i}", None) for i in range(n)]
+    if all(b is None for b in (*fc1, *fc2)):
+        return None
+    if any(b is None for b in (*fc1, *fc2)):
+        raise ValueError("--moe-token-dispatcher-type mok needs both expert biases (fc1 and "
+                         "fc2) or neither; pass --add-bias-linear or --disable-bias-linear")
+    return fc1, fc2
+
+
 class MokMoELayer(MoELayer):
     """MoELayer whose routed experts run as one fused dispatch + SwiGLU + combine pass."""
 
@@ -122,8 +138,10 @@ class MokMoELayer(MoELayer):
             config.moe_token_dispatcher_type = dispatcher_type
         # The experts' activation from Megatron's flags: SwiGLU runs on the kernel backend,
         # the others (GPT-OSS's clamped GLU, squared-ReLU, GeLU) on the reference backend.
+        # Expert biases (--add-bias-linear, GPT-OSS) run on the reference backend too.
         self.mok_config = dataclasses.replace(mok_config or MoKConfig(),
-                                              activation=from_megatron(config))
+                                              activation=from_megatron(config),
+                                              expert_bias=bool(config.add_bias_linear))
         # fused: metadata only (routed_experts_compute runs dispatch + experts + combine).
         self.token_dispatcher = MokTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config,
@@ -131,6 +149,9 @@ class MokMoELayer(MoELayer):
         # Fail at construction on an unknown expert module; lay each weight's experts back
         # to back so that the fused pass reads them stacked without a copy.
         fc1, fc2 = expert_weight_list(self.experts)
+        if (expert_bias_list(self.experts) is not None) != self.mok_config.expert_bias:
+            raise ValueError("--moe-token-dispatcher-type mok: the expert modules' biases do "
+                             "not match --add-bias-linear")
         # MOK_SHARED_EXPERT=folded (at construction): the shared expert joins the pass as
         # one more local expert, its weights right after the experts' (shared_fold).
         self._shared_weights = self._foldable_shared_weights(fc1, fc2)
@@ -153,6 +174,7 @@ class MokMoELayer(MoELayer):
         None (MoELayer runs it)."""
         shared, config = self.shared_experts, self.config
         if shared is None or shared_fold.mode() != "folded" or self.shared_expert_overlap \
+                or self.mok_config.expert_bias \
                 or self.shared_experts_recompute \
                 or getattr(config, "moe_shared_expert_gate", False) \
                 or (config.tensor_model_parallel_size or 1) > 1 \
@@ -196,6 +218,10 @@ class MokMoELayer(MoELayer):
         fc1, fc2 = expert_weight_list(self.experts)
         reverse = self._experts_backwards(fc1, fc2)
         w1, w2 = stack_experts(fc1, reverse), stack_experts(fc2, reverse)
+        biases = expert_bias_list(self.experts)
+        b1 = b2 = None
+        if biases is not None:  # small: stacked (a copy) every forward
+            b1, b2 = (torch.stack(b[::-1] if reverse else b) for b in biases)
         topk_idx = self.token_dispatcher.topk_idx
         if reverse:  # plane j is expert E - 1 - j on every rank: route to it as such
             topk_idx = reverse_local_experts(topk_idx, len(fc1))
@@ -224,7 +250,7 @@ class MokMoELayer(MoELayer):
         output = fused_moe(
             hidden_states.contiguous(), topk_idx, probs,
             w1, w2, group=self.ep_group, config=self.mok_config,
-            accumulators=self._main_grad_accumulators(fc1, fc2))
+            accumulators=self._main_grad_accumulators(fc1, fc2), b1=b1, b2=b2)
         return output, None
 
     def _experts_backwards(self, fc1, fc2) -> bool:
