@@ -45,10 +45,13 @@ fi
 status=0
 tests_line="skipped"; demo_line="skipped"; bench_line="skipped"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  timeout "${TESTS_TIMEOUT:-480}" $PY -m pytest -q -ra -m gpu tests ${1:+-k "$1"} 2>&1 \
-    | tee "$OUT/pytest_gpu.log" | tail -25
+  # SIGINT at the limit: pytest stops as on ^C and still prints its summary, whose -rfE
+  # lines name every test that failed or errored so far (a TERM-killed run names none).
+  timeout -s INT -k 30 "${TESTS_TIMEOUT:-480}" $PY -m pytest -q -rfE -m gpu tests \
+    ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  tests_line=$(tail -1 "$OUT/pytest_gpu.log")
+  tests_line="$(tail -1 "$OUT/pytest_gpu.log")$(grep -c '^FAILED' "$OUT/pytest_gpu.log" \
+    | sed 's/^/; FAILED lines: /')"
 fi
 if [ "${DEMO:-1}" = 1 ]; then
   PYTHON=$PY bash examples/demo.sh > "$OUT/demo.log" 2>&1 || status=1
