@@ -26,6 +26,8 @@ def resolve_backend(config: MoKConfig, device: torch.device,
                                     f"{config.activation.describe()}")
     if available and config.expert_bias:
         available, reason = False, "the kernel backend runs experts without biases only"
+    if available and config.fp8:
+        available, reason = False, "the kernel backend has no FP8 GEMMs yet"
     if config.backend == "kernel" and not available:
         raise RuntimeError(f"megatron_mok: backend='kernel' is not available here: {reason}. "
                            f"Use backend='reference' or 'auto'.")

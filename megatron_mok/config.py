@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from megatron_mok.activations import SWIGLU, ExpertActivation
 
 BACKENDS = ("auto", "reference", "kernel")
 MAIN_GRAD_FUSION = ("auto", "on", "off")
+FP8_RECIPES = ("blockwise",)  # Hopper's (1 x 128 / 128 x 128); MXFP8 is Blackwell's
+FP8_WGRAD = ("fp8", "bf16")
 
 # Row-table padding unit: the GEMM tile height of the Hopper kernels (one
 # 128-row WGMMA tile per expert segment start).
@@ -44,6 +47,11 @@ class MoKConfig:
         squared-ReLU, GeLU) run on the reference backend.
     expert_bias: the routed experts have fc1 and fc2 biases (Megatron's --add-bias-linear,
         GPT-OSS); the reference backend runs them, the kernel backend does not yet.
+    fp8: None (BF16) or "blockwise": the routed experts' GEMMs in E4M3 with 1 x 128 / 128 x
+        128 FP32 scales (megatron_mok.reference_fp8 states every quantisation point); so
+        far on the reference backend at EP = 1 only (no FP8 kernels yet).
+    fp8_wgrad: "fp8" (the weight gradients' GEMMs in FP8 too, 1 x 128 groups along the
+        tokens) or "bf16".
     """
 
     fwd_num_comm_sms: int = 24
@@ -57,6 +65,8 @@ class MoKConfig:
     main_grad_fusion: str = "auto"
     activation: ExpertActivation = SWIGLU
     expert_bias: bool = False
+    fp8: Optional[str] = None
+    fp8_wgrad: str = "fp8"
 
     def __post_init__(self):
         if not isinstance(self.activation, ExpertActivation):
@@ -82,6 +92,12 @@ class MoKConfig:
                 f"MoKConfig.schedule_capacity_multiplier must be a positive number, got {m!r}")
         if not isinstance(self.expert_bias, bool):
             raise ValueError(f"MoKConfig.expert_bias must be a bool, got {self.expert_bias!r}")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"MoKConfig.fp8 must be None or one of {FP8_RECIPES} (Hopper's "
+                             f"FP8 recipe; MXFP8 is Blackwell's), got {self.fp8!r}")
+        if self.fp8_wgrad not in FP8_WGRAD:
+            raise ValueError(f"MoKConfig.fp8_wgrad must be one of {FP8_WGRAD}, got "
+                             f"{self.fp8_wgrad!r}")
         if not isinstance(self.autotune, bool):
             raise ValueError(f"MoKConfig.autotune must be a bool, got {self.autotune!r}")
         if self.main_grad_fusion not in MAIN_GRAD_FUSION:

@@ -24,14 +24,14 @@ from typing import Optional
 
 import torch
 
-from megatron_mok import reference, routing_errors, shared_fold
+from megatron_mok import reference, reference_fp8, routing_errors, shared_fold
 from megatron_mok.kernels import backend as kernel_backend
 from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table
-from megatron_mok.validation import check_expert_biases, check_expert_ids, check_kernel_dims, \
-    check_moe_inputs
+from megatron_mok.validation import check_expert_biases, check_expert_ids, check_fp8_pass, \
+    check_kernel_dims, check_moe_inputs
 from megatron_mok.workspace import MoKWorkspace, clear_workspace_cache, create_workspace, \
     get_workspace
 
@@ -121,6 +121,8 @@ def _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w
         raise ValueError(f"megatron_mok: biases b1/b2 {'given' if b1 is not None else 'missing'}"
                          f" but MoKConfig.expert_bias is {config.expert_bias}; pass both "
                          f"biases with expert_bias=True, or neither")
+    check_fp8_pass(config, ep_size=ws.ep_size, hidden=x.shape[1], inter=w2.shape[2],
+                   biases=b1 is not None)
     if tuple(x.shape) != (ws.num_tokens, ws.hidden_size) or w1.shape[0] != ws.num_local_experts:
         raise ValueError(
             f"x {tuple(x.shape)} / w1 {tuple(w1.shape)} do not match the workspace "
@@ -161,9 +163,14 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)
                    for t in (x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2))
     with torch.enable_grad() if keep_ctx else torch.no_grad():
-        y = reference.moe_reference(leaves[0], topk_idx, *leaves[1:6], group=ws.group,
-                                    check=False, topk_idx_all=sched.topk_idx_all,
-                                    activation=config.activation, b1=leaves[6], b2=leaves[7])
+        if config.fp8:  # the blockwise spec (EP = 1, SwiGLU, no biases: checked above)
+            y = reference_fp8.moe_reference_fp8(leaves[0], topk_idx, *leaves[1:6],
+                                                wgrad=config.fp8_wgrad)
+        else:
+            y = reference.moe_reference(leaves[0], topk_idx, *leaves[1:6], group=ws.group,
+                                        check=False, topk_idx_all=sched.topk_idx_all,
+                                        activation=config.activation, b1=leaves[6],
+                                        b2=leaves[7])
     ctx = MoKForwardContext(backend, y.detach() if keep_ctx else None, leaves=leaves,
                             graph=y if keep_ctx else None)
     return y.detach(), ctx
@@ -278,7 +285,9 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     (megatron_mok.shared_fold); None: as MOK_SHARED_EXPERT says.
     b1 [E_loc, 2I] (or [E_loc, I]) and b2 [E_loc, H]: the routed experts' biases (GPT-OSS),
     both or neither; the routing weight scales b2 with the expert's output, as Megatron's
-    experts do. They set config.expert_bias (the kernel backend runs no biases yet)."""
+    experts do. They set config.expert_bias (the kernel backend runs no biases yet).
+    config.fp8 = "blockwise": the routed experts in blockwise FP8 (reference_fp8; EP = 1,
+    SwiGLU, no biases, H and I multiples of 128), the shared expert in BF16."""
     config = config or MoKConfig()
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False,
                      fc1_rows_per_inter=config.activation.fc1_rows_per_inter)
@@ -294,7 +303,12 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     # Accumulators then hold E_loc + 1 buffers, the shared weight's last.
     if fold_shared is None:
         fold_shared = shared_fold.mode() == "folded"
-    if fold_shared and b1 is None and shared_fold.foldable(w1, w2, shared_w1, shared_w2) \
+    ep_size = torch.distributed.get_world_size(group) if group is not None else 1
+    check_fp8_pass(config, ep_size=ep_size, hidden=x.shape[1], inter=w2.shape[2],
+                   biases=b1 is not None)
+    # (FP8 keeps the shared expert in BF16, as MoK does: never folded into the FP8 experts.)
+    if fold_shared and b1 is None and not config.fp8 \
+            and shared_fold.foldable(w1, w2, shared_w1, shared_w2) \
             and all(a is None or a.shape[0] == w1.shape[0] + 1 for a in accumulators or ()):
         ep_rank = torch.distributed.get_rank(group) if group is not None else 0
         topk_idx, topk_w = shared_fold.fold_routing(topk_idx, topk_w, w1.shape[0], ep_rank)

@@ -100,6 +100,27 @@ def check_kernel_activation(config) -> None:
         raise ValueError("megatron_mok: the kernel backend runs experts without biases only; "
                          "use backend='reference' (--mok-backend reference), or no expert "
                          "biases (--disable-bias-linear)")
+    if config.fp8:
+        raise ValueError("megatron_mok: the kernel backend has no FP8 GEMMs yet; use "
+                         "backend='reference' (--mok-backend reference), or BF16 (no "
+                         "--mok-fp8 / --fp8-format)")
+
+
+def check_fp8_pass(config, *, ep_size: int, hidden: int, inter: int, biases: bool) -> None:
+    """What the blockwise FP8 spec covers so far: SwiGLU experts without biases at EP = 1,
+    H and I multiples of 128 (the recipe's group size)."""
+    if not config.fp8:
+        return
+    wanted = [(ep_size == 1, f"EP = 1 (got {ep_size}): pass --expert-model-parallel-size 1"),
+              (config.activation.is_swiglu, f"SwiGLU experts (got "
+               f"{config.activation.describe()}): pass --swiglu"),
+              (not biases, "experts without biases: pass --disable-bias-linear"),
+              (hidden % 128 == 0 and inter % 128 == 0, f"H and I multiples of 128 (got H = "
+               f"{hidden}, I = {inter})")]
+    for ok, what in wanted:
+        if not ok:
+            raise ValueError(f"megatron_mok: blockwise FP8 runs with {what}, or run the MoE "
+                             f"layers in BF16 (no --mok-fp8 / --fp8-format)")
 
 
 def check_kernel_dims(**sizes: int) -> None:

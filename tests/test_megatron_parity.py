@@ -302,18 +302,6 @@ def test_checkpoint_moves_between_dispatchers(tmp_path, ep_size):
     run_distributed(_checkpoint_fn, ep_size, str(tmp_path))
 
 
-def test_fp8_recipes_fail_naming_blockwise_as_hoppers():
-    import megatron_mok.megatron  # noqa: F401
-    from types import SimpleNamespace
-    from megatron_mok.megatron.layer import _check_fp8
-    _check_fp8(SimpleNamespace(fp8=None, fp8_recipe="delayed"))
-    for recipe in ("mxfp8", "delayed", "tensorwise"):
-        with pytest.raises(ValueError, match="on Hopper the FP8 recipe is blockwise"):
-            _check_fp8(SimpleNamespace(fp8="e4m3", fp8_recipe=recipe))
-    with pytest.raises(ValueError, match="does not run FP8 yet.*; pass no --fp8-format"):
-        _check_fp8(SimpleNamespace(fp8="e4m3", fp8_recipe="blockwise"))
-
-
 @pytest.mark.parametrize("kwargs, flag", [
     ({"activation_func": torch.tanh}, "--swiglu"),
     ({"moe_mlp_glu_interleave_size": 32}, "--moe-mlp-glu-interleave-size"),

@@ -12,7 +12,7 @@ import dataclasses
 import typing
 import warnings
 
-from megatron_mok.config import BACKENDS, MAIN_GRAD_FUSION, MoKConfig
+from megatron_mok.config import BACKENDS, FP8_RECIPES, FP8_WGRAD, MAIN_GRAD_FUSION, MoKConfig
 
 DISPATCHER_TYPE = "mok"
 
@@ -94,6 +94,13 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Add the expert weight gradients straight into main_grad: auto "
                             "follows --gradient-accumulation-fusion, on whenever DDP gives "
                             "the parameters a main_grad.")
+    group.add_argument("--mok-fp8", choices=FP8_RECIPES, default=None,
+                       help="Run the routed experts in FP8 with this recipe (blockwise: E4M3, "
+                            "1 x 128 / 128 x 128 scales) without Megatron's --fp8-format for "
+                            "the rest of the model; the shared expert stays BF16. So far on "
+                            "the reference backend, EP = 1.")
+    group.add_argument("--mok-fp8-wgrad", choices=FP8_WGRAD, default=defaults.fp8_wgrad,
+                       help="Precision of the FP8 experts' weight-gradient GEMMs.")
     return parser
 
 
@@ -114,4 +121,6 @@ def mok_config_from_args(args: argparse.Namespace) -> MoKConfig:
         debug_checks=args.mok_debug_checks,
         autotune=not getattr(args, "mok_no_autotune", False),
         main_grad_fusion=getattr(args, "mok_main_grad_fusion", "auto"),
+        fp8=getattr(args, "mok_fp8", None),
+        fp8_wgrad=getattr(args, "mok_fp8_wgrad", defaults.fp8_wgrad),
     )

@@ -31,6 +31,7 @@ from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe, resolve_backend
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
+from megatron_mok.validation import check_fp8_pass
 from megatron_mok.megatron.expert_weights import (reverse_local_experts, share_one_storage,
                                                   stack_experts)
 
@@ -61,21 +62,25 @@ _UNSUPPORTED = (
 )
 
 
-def _check_fp8(config) -> None:
-    """FP8 on Hopper means the blockwise recipe (1 x 128 / 128 x 128 scales): MXFP8 has no
-    Hopper hardware path and tensorwise / delayed scaling are not MoK's recipes. mok has
-    the blockwise recipe's spec (megatron_mok.reference_fp8) but no FP8 kernels yet."""
-    if not getattr(config, "fp8", None):
-        return
+def _check_fp8(config) -> Optional[str]:
+    """The MoE layers' FP8 recipe from Megatron's --fp8-format / --fp8-recipe: None (BF16)
+    or "blockwise". FP8 on Hopper means the blockwise recipe (E4M3, 1 x 128 / 128 x 128
+    FP32 scales): MXFP8 has no Hopper hardware path and tensorwise / delayed scaling are
+    not MoK's recipes. (So far it runs on the reference backend: no FP8 kernels yet.)"""
+    fmt = getattr(config, "fp8", None)
+    if not fmt:
+        return None
     recipe = getattr(config, "fp8_recipe", None)
-    if recipe == "blockwise":
-        raise ValueError("--moe-token-dispatcher-type mok does not run FP8 yet (the blockwise "
-                         "recipe is specified, its kernels are not built); pass no "
-                         "--fp8-format to run the MoE layers in BF16, or another dispatcher")
-    raise ValueError(f"--moe-token-dispatcher-type mok does not support --fp8-recipe {recipe}: "
-                     f"on Hopper the FP8 recipe is blockwise (1 x 128 activations, 128 x 128 "
-                     f"weights; MXFP8 is Blackwell's); pass --fp8-recipe blockwise once mok "
-                     f"runs FP8, and no --fp8-format until then")
+    if recipe != "blockwise":
+        raise ValueError(f"--moe-token-dispatcher-type mok does not support --fp8-recipe "
+                         f"{recipe}: on Hopper the FP8 recipe is blockwise (1 x 128 "
+                         f"activations, 128 x 128 weights; MXFP8 is Blackwell's); pass "
+                         f"--fp8-recipe blockwise, or no --fp8-format for BF16")
+    if fmt != "e4m3":
+        raise ValueError(f"--moe-token-dispatcher-type mok does not support --fp8-format {fmt} "
+                         f"with the blockwise recipe (it quantises activations, weights and "
+                         f"gradients in E4M3, as DeepSeek-V3); pass --fp8-format e4m3")
+    return "blockwise"
 
 
 def check_mok_supported(config) -> None:
@@ -139,9 +144,16 @@ class MokMoELayer(MoELayer):
         # The experts' activation from Megatron's flags: SwiGLU runs on the kernel backend,
         # the others (GPT-OSS's clamped GLU, squared-ReLU, GeLU) on the reference backend.
         # Expert biases (--add-bias-linear, GPT-OSS) run on the reference backend too.
-        self.mok_config = dataclasses.replace(mok_config or MoKConfig(),
+        # FP8: Megatron's --fp8-format e4m3 --fp8-recipe blockwise, or --mok-fp8 blockwise
+        # for the MoE layers alone (mok_config).
+        mok_config = mok_config or MoKConfig()
+        self.mok_config = dataclasses.replace(mok_config,
                                               activation=from_megatron(config),
-                                              expert_bias=bool(config.add_bias_linear))
+                                              expert_bias=bool(config.add_bias_linear),
+                                              fp8=_check_fp8(config) or mok_config.fp8)
+        check_fp8_pass(self.mok_config, ep_size=config.expert_model_parallel_size or 1,
+                       hidden=config.hidden_size, inter=config.moe_ffn_hidden_size,
+                       biases=self.mok_config.expert_bias)
         # fused: metadata only (routed_experts_compute runs dispatch + experts + combine).
         self.token_dispatcher = MokTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config,
@@ -210,9 +222,11 @@ class MokMoELayer(MoELayer):
         if not self._backend_logged:
             self._backend_logged = True
             backend = resolve_backend(self.mok_config, hidden_states.device, hidden_states.dtype)
+            experts = f"{self.mok_config.fp8} FP8" if self.mok_config.fp8 else \
+                str(hidden_states.dtype).replace("torch.", "")
             log_single_rank(logger, logging.INFO,
                             f"megatron_mok: MoE layer {self.layer_number} runs the {backend} "
-                            f"backend on {hidden_states.device} ({hidden_states.dtype})")
+                            f"backend on {hidden_states.device} (experts in {experts})")
         install_step_check(self.config)
         self._run_weight_modules_pre_hooks()
         fc1, fc2 = expert_weight_list(self.experts)
