@@ -1,5 +1,5 @@
 """The FP8 (blockwise) MoE layer of the spec, in pure PyTorch: every quantisation point
-explicit (docs/fp8.md when the kernels land; DESIGN.md section 1).
+explicit (docs/fp8.md).
 
 Forward, per expert e (rows of the tokens routed to it):
     x        quantised once per token, 1 x 128 groups along H (fc1's K)
