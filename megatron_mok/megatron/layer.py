@@ -116,6 +116,9 @@ def expert_bias_list(experts) -> Optional[tuple[list[torch.Tensor], list[torch.T
         n = experts.num_local_experts
         fc1 = [getattr(experts.linear_fc1, f"bias{i}", None) for i in range(n)]
         fc2 = [getattr(experts.linear_fc2, f"bias{i}", None) for i in range(n)]
+    # TE's GroupedLinear without biases holds empty tensors in bias{i}: no bias either.
+    fc1 = [None if b is None or b.numel() == 0 else b for b in fc1]
+    fc2 = [None if b is None or b.numel() == 0 else b for b in fc2]
     if all(b is None for b in (*fc1, *fc2)):
         return None
     if any(b is None for b in (*fc1, *fc2)):
