@@ -106,8 +106,8 @@ class MoKGrads:
     db2: Optional[torch.Tensor] = None
 
 
-# The differentiable inputs of a pass, in MoKFunction's order; MoKGrads names their grads.
-_LEAVES = ("x", "topk_w", "w1", "w2", "shared_w1", "shared_w2", "b1", "b2")
+# The gradients of a pass's differentiable inputs (x, topk_w, w1, w2, shared_w1, shared_w2,
+# b1, b2: MoKFunction's order), as MoKGrads names them.
 _GRAD_NAMES = ("dx", "d_topk_w", "dw1", "dw2", "d_shared_w1", "d_shared_w2", "db1", "db2")
 
 
