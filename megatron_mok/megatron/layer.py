@@ -166,7 +166,8 @@ class MokMoELayer(MoELayer):
         fc1, fc2 = expert_weight_list(self.experts)
         if (expert_bias_list(self.experts) is not None) != self.mok_config.expert_bias:
             raise ValueError("--moe-token-dispatcher-type mok: the expert modules' biases do "
-                             "not match --add-bias-linear")
+                             "not match the config's add_bias_linear; build the experts from "
+                             "the same config (pass --disable-bias-linear for none)")
         # MOK_SHARED_EXPERT=folded (at construction): the shared expert joins the pass as
         # one more local expert, its weights right after the experts' (shared_fold).
         self._shared_weights = self._foldable_shared_weights(fc1, fc2)
