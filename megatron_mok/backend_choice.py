@@ -14,6 +14,7 @@ import torch
 
 from megatron_mok.kernels import ops
 from megatron_mok.config import MoKConfig
+from megatron_mok.validation import kernel_config_refusal
 
 
 def resolve_backend(config: MoKConfig, device: torch.device,
@@ -21,13 +22,9 @@ def resolve_backend(config: MoKConfig, device: torch.device,
     """The backend that runs on `device` for activations of `dtype`; forcing an
     unavailable one is an error."""
     available, reason = ops.kernel_backend_status(device, dtype)
-    if available and not config.activation.is_swiglu:
-        available, reason = False, (f"the kernel backend runs SwiGLU experts only, not "
-                                    f"{config.activation.describe()}")
-    if available and config.expert_bias:
-        available, reason = False, "the kernel backend runs experts without biases only"
-    if available and config.fp8:
-        available, reason = False, "the kernel backend has no FP8 GEMMs yet"
+    if available:
+        refusal = kernel_config_refusal(config)
+        available, reason = refusal is None, refusal or ""
     if config.backend == "kernel" and not available:
         raise RuntimeError(f"megatron_mok: backend='kernel' is not available here: {reason}. "
                            f"Use backend='reference' or 'auto'.")

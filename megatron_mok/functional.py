@@ -31,7 +31,7 @@ from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.schedule import MoKSchedule, build_row_table
 from megatron_mok.validation import check_expert_biases, check_expert_ids, check_fp8_pass, \
-    check_kernel_dims, check_moe_inputs
+    check_kernel_config, check_kernel_dims, check_moe_inputs
 from megatron_mok.workspace import MoKWorkspace, clear_workspace_cache, create_workspace, \
     get_workspace
 
@@ -153,9 +153,7 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
                                   b1, b2)
     backend = "kernel" if ws.arena is not None else "reference"
     if backend == "kernel":
-        if b1 is not None:
-            raise ValueError("megatron_mok: the kernel backend runs experts without biases "
-                             "only; use a workspace of backend='reference' for b1/b2")
+        check_kernel_config(config)  # e.g. FP8 or biases on a kernel workspace
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
                                           keep_ctx, config)
         return y, MoKForwardContext(backend, y if keep_ctx else None, saved=saved)

@@ -119,6 +119,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             gpt_decoder_block_spec, config, use_te, mok_config_from_args(args),
             normalization=args.normalization, qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
     elif args.num_experts is not None:
+        from megatron_mok.megatron.args import warn_mok_flags_without_mok
+        warn_mok_flags_without_mok(args)
         layer_spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=args.normalization,
             qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)

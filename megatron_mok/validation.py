@@ -88,22 +88,30 @@ def check_expert_biases(b1, b2, w1, w2, x) -> None:
                          f"got {tuple(b1.shape)} and {tuple(b2.shape)}")
 
 
-def check_kernel_activation(config) -> None:
-    """The kernel backend runs SwiGLU experts without biases only (so far); the others run
-    on the reference backend. Checked when its workspace is made, before any launch."""
-    activation = config.activation
-    if not activation.is_swiglu:
-        raise ValueError(f"megatron_mok: the kernel backend runs SwiGLU experts only, not "
-                         f"{activation.describe()}; use backend='reference' "
-                         f"(--mok-backend reference), or SwiGLU experts (--swiglu)")
+def kernel_config_refusal(config) -> Optional[str]:
+    """Why the kernel backend cannot run `config` (None: it can). It runs SwiGLU experts
+    without biases in BF16 (so far); the others run on the reference backend."""
+    if not config.activation.is_swiglu:
+        return (f"the kernel backend runs SwiGLU experts only, not "
+                f"{config.activation.describe()}; use backend='reference' "
+                f"(--mok-backend reference), or SwiGLU experts (--swiglu)")
     if config.expert_bias:
-        raise ValueError("megatron_mok: the kernel backend runs experts without biases only; "
-                         "use backend='reference' (--mok-backend reference), or no expert "
-                         "biases (--disable-bias-linear)")
+        return ("the kernel backend runs experts without biases only; use "
+                "backend='reference' (--mok-backend reference), or no expert biases "
+                "(--disable-bias-linear)")
     if config.fp8:
-        raise ValueError("megatron_mok: the kernel backend has no FP8 GEMMs yet; use "
-                         "backend='reference' (--mok-backend reference), or BF16 (no "
-                         "--mok-fp8 / --fp8-format)")
+        return ("the kernel backend has no FP8 GEMMs yet; use backend='reference' "
+                "(--mok-backend reference), or BF16 (no --mok-fp8 / --fp8-format)")
+    return None
+
+
+def check_kernel_config(config) -> None:
+    """Raise what kernel_config_refusal says: checked when a kernel workspace is made and
+    again by every kernel pass (its config may differ from the workspace's), before any
+    launch."""
+    reason = kernel_config_refusal(config)
+    if reason is not None:
+        raise ValueError(f"megatron_mok: {reason}")
 
 
 def check_fp8_pass(config, *, ep_size: int, hidden: int, inter: int, biases: bool) -> None:

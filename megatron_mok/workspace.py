@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig, schedule_capacity
-from megatron_mok.validation import check_kernel_activation, check_kernel_dims, \
+from megatron_mok.validation import check_kernel_config, check_kernel_dims, \
     check_same_shape_across_ranks
 
 
@@ -190,7 +190,7 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
         from megatron_mok.kernels.megakernel import counters_size
 
         check_kernel_dims(hidden_size=hidden_size)
-        check_kernel_activation(config)
+        check_kernel_config(config)
         arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,
                                topk, dtype)
         counters = torch.zeros(counters_size(capacity), dtype=torch.int32, device=device)

@@ -125,10 +125,10 @@ def test_non_gated_weights_are_checked():
 
 
 def test_kernel_backend_refuses_other_activations_before_any_launch():
-    from megatron_mok.validation import check_kernel_activation
-    check_kernel_activation(MoKConfig())
+    from megatron_mok.validation import check_kernel_config
+    check_kernel_config(MoKConfig())
     with pytest.raises(ValueError, match="SwiGLU experts only.*--mok-backend reference"):
-        check_kernel_activation(MoKConfig(activation=A.GPT_OSS))
+        check_kernel_config(MoKConfig(activation=A.GPT_OSS))
     with pytest.raises(ValueError, match="ExpertActivation"):
         MoKConfig(activation="swiglu")
 

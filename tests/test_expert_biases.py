@@ -10,7 +10,7 @@ from megatron_mok import activations as A
 from megatron_mok import functional as mok
 from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig
-from megatron_mok.validation import check_kernel_activation
+from megatron_mok.validation import check_kernel_config
 from moe_inputs import make_moe_inputs, rel_l2
 
 REFERENCE = MoKConfig(backend="reference")
@@ -121,7 +121,7 @@ def test_bias_refusals_name_what_to_pass():
                     inputs["w2"], b1=inputs["b1"], b2=inputs["b2"])
     # The kernel backend has no bias epilogue yet: refused, saying what to pass.
     with pytest.raises(ValueError, match="without biases.*--mok-backend reference"):
-        check_kernel_activation(MoKConfig(expert_bias=True))
+        check_kernel_config(MoKConfig(expert_bias=True))
     with pytest.raises(RuntimeError, match="not available"):
         resolve_backend(MoKConfig(backend="kernel", expert_bias=True), torch.device("cpu"))
     with pytest.raises(ValueError, match="expert_bias must be a bool"):

@@ -15,7 +15,7 @@ from megatron_mok import functional as mok
 from megatron_mok import reference, reference_fp8
 from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig
-from megatron_mok.validation import check_fp8_pass, check_kernel_activation
+from megatron_mok.validation import check_fp8_pass, check_kernel_config
 from moe_inputs import make_moe_inputs, rel_l2
 
 FP8 = MoKConfig(backend="reference", fp8="blockwise")
@@ -71,7 +71,7 @@ def test_what_fp8_does_not_cover_yet_is_refused():
         check_fp8_pass(FP8, ep_size=1, hidden=256, inter=128, biases=True)
     check_fp8_pass(MoKConfig(), ep_size=8, hidden=8, inter=8, biases=True)  # BF16: no limits
     with pytest.raises(ValueError, match="no FP8 GEMMs.*--mok-backend reference"):
-        check_kernel_activation(FP8)
+        check_kernel_config(FP8)
     with pytest.raises(RuntimeError, match="not available"):
         resolve_backend(MoKConfig(backend="kernel", fp8="blockwise"), torch.device("cpu"))
     with pytest.raises(ValueError, match="MXFP8 is Blackwell's"):
@@ -103,6 +103,18 @@ def test_mok_fp8_flag_reaches_the_config():
     assert mok_config_from_args(parser.parse_args([])).fp8 is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--mok-fp8", "mxfp8"])
+    # Given to a run of another dispatcher they would do nothing: a warning names them.
+    from megatron_mok.megatron.args import warn_mok_flags_without_mok
+    args = parser.parse_args(["--mok-fp8", "blockwise"])
+    args.moe_token_dispatcher_type = "alltoall"
+    with pytest.warns(UserWarning, match="--mok-fp8 only apply with --moe-token-dispatcher"):
+        warn_mok_flags_without_mok(args)
+    args.moe_token_dispatcher_type = "mok"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_mok_flags_without_mok(args)
+        warn_mok_flags_without_mok(parser.parse_args([]))  # nothing set: nothing to say
 
 
 def _layer_fn(rank, world_size):

@@ -258,7 +258,7 @@ def test_launches_of_a_layer_forward_with_the_gpu_schedule(path, monkeypatch):
     # One async copy per layer forward (after the schedule): the routing-error status word
     # to its pinned ring (routing_errors.record; no host sync). Memsets and that copy are not kernels.
     copies = [n for n in names if "memcpy" in n.lower()]
-    assert copies == ["Memcpy DtoH (Device -> Pinned)"], copies
+    assert len(copies) == 1 and "dtoh" in copies[0].lower(), copies
     kernels = [n for n in names if "memset" not in n.lower() and "memcpy" not in n.lower()]
     assert sum("schedule_" in k for k in kernels) == 3, kernels
     assert sum("moe_forward_kernel" in k for k in kernels) == 1, kernels

@@ -320,6 +320,12 @@ def test_unsupported_megatron_configs_fail_naming_the_flag(kwargs, flag):
         check_mok_supported(config)
     assert "; pass " in str(err.value)  # every refusal says what to pass instead
     check_mok_supported(TransformerConfig(**base))
+    # FP8 weight copies (set after construction: without Transformer Engine Megatron's
+    # own check refuses FP8 first).
+    config = TransformerConfig(**base)
+    config.fp8, config.fp8_recipe, config.fp8_param = "e4m3", "blockwise", True
+    with pytest.raises(ValueError, match="--fp8-param-gather.*; pass "):
+        check_mok_supported(config)
 
 
 def _hooks_fn(rank, world_size):
@@ -357,6 +363,12 @@ def _hooks_fn(rank, world_size):
         setattr(layer.config, attr, value)
         assert layer._foldable_shared_weights(fc1, fc2) is None, attr
         setattr(layer.config, attr, before)
+    # FP8 keeps the shared expert in BF16: never folded into the FP8 experts.
+    import dataclasses
+    bf16_config = layer.mok_config
+    layer.mok_config = dataclasses.replace(bf16_config, fp8="blockwise")
+    assert layer._foldable_shared_weights(fc1, fc2) is None
+    layer.mok_config = bf16_config
     knobs.set_env("MOK_SHARED_EXPERT", None)
 
 

@@ -80,3 +80,42 @@ def test_comm_sms_must_leave_compute_sms():
     with pytest.raises(ValueError, match="fwd_num_comm_sms=132"):
         MoKConfig(fwd_num_comm_sms=132).check_num_sms(132)
     MoKConfig(fwd_num_comm_sms=131, bwd_num_comm_sms=8).check_num_sms(132)
+
+
+@pytest.mark.parametrize("config, match", [
+    (MoKConfig(backend="kernel", expert_bias=True), "without biases only"),
+    (MoKConfig(backend="kernel", fp8="blockwise"), "no FP8 GEMMs"),
+])
+def test_kernel_backend_refuses_what_it_cannot_run_even_where_it_loads(monkeypatch, config,
+                                                                       match):
+    """With the extension loadable (patched: this is the CPU machine), the config itself
+    is the reason given; 'auto' runs the reference for it instead."""
+    import dataclasses
+
+    from megatron_mok import backend_choice
+    monkeypatch.setattr(backend_choice.ops, "kernel_backend_status",
+                        lambda device, dtype=None: (True, ""))
+    cpu = torch.device("cpu")
+    assert backend_choice.resolve_backend(MoKConfig(backend="kernel"), cpu) == "kernel"
+    with pytest.raises(RuntimeError, match=f"not available here: .*{match}"):
+        backend_choice.resolve_backend(config, cpu)
+    auto = dataclasses.replace(config, backend="auto")
+    assert backend_choice.resolve_backend(auto, cpu) == "reference"
+
+
+def test_a_kernel_pass_checks_its_own_config():
+    """A pass whose config asks for what the kernel cannot run (FP8 here) on a kernel
+    workspace raises before any launch, not a silent BF16 pass."""
+    import dataclasses
+
+    inputs = make_moe_inputs(num_tokens=40, hidden=256, inter=128, num_local_experts=4,
+                             topk=2, seed=3)
+    reference_config = MoKConfig(backend="reference")
+    ws = mok.get_workspace(reference_config, None, device="cpu", num_local_tokens=40,
+                           hidden_size=256, topk=2, num_local_experts=4, dtype=torch.bfloat16)
+    sched = mok.build_schedule(ws, reference_config, inputs["topk_idx"])
+    kernel_ws = dataclasses.replace(ws, arena=object())  # never reached: refused first
+    fp8 = MoKConfig(backend="reference", fp8="blockwise")
+    with pytest.raises(ValueError, match="no FP8 GEMMs"):
+        mok.forward(fp8, kernel_ws, sched, inputs["x"], inputs["topk_w"], inputs["w1"],
+                    inputs["w2"])

@@ -124,3 +124,18 @@ def mok_config_from_args(args: argparse.Namespace) -> MoKConfig:
         fp8=getattr(args, "mok_fp8", None),
         fp8_wgrad=getattr(args, "mok_fp8_wgrad", defaults.fp8_wgrad),
     )
+
+
+def warn_mok_flags_without_mok(args: argparse.Namespace) -> None:
+    """--mok-* flags set on a run whose MoE layers use another dispatcher do nothing: say
+    so (a --mok-fp8 run that trains in BF16 without a word would mislead)."""
+    if getattr(args, "moe_token_dispatcher_type", None) == "mok":
+        return
+    defaults = vars(add_mok_args(argparse.ArgumentParser()).parse_args([]))
+    changed = [name for name, default in defaults.items()
+               if getattr(args, name, default) != default]
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        warnings.warn(f"megatron_mok: {flags} only apply with --moe-token-dispatcher-type "
+                      f"mok (this run uses {getattr(args, 'moe_token_dispatcher_type', None)})",
+                      UserWarning, stacklevel=2)

@@ -31,9 +31,9 @@ from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe, resolve_backend
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
-from megatron_mok.validation import check_fp8_pass
 from megatron_mok.megatron.expert_weights import (reverse_local_experts, share_one_storage,
                                                   stack_experts)
+from megatron_mok.validation import check_fp8_pass
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ _UNSUPPORTED = (
      "no --overlap-dispatch-backward-with-experts-wgrad"),
     ("delay_wgrad_compute", bool, "--delay-wgrad-compute", "no --delay-wgrad-compute"),
     ("fp4", bool, "--fp4-format (FP4 training)", "no --fp4-format"),
+    ("fp8_param", bool, "--fp8-param-gather (FP8 weight copies)",
+     "no --fp8-param-gather (the fused pass quantises its BF16 weights itself)"),
 )
 
 
@@ -190,7 +192,7 @@ class MokMoELayer(MoELayer):
         None (MoELayer runs it)."""
         shared, config = self.shared_experts, self.config
         if shared is None or shared_fold.mode() != "folded" or self.shared_expert_overlap \
-                or self.mok_config.expert_bias \
+                or self.mok_config.expert_bias or self.mok_config.fp8 \
                 or self.shared_experts_recompute \
                 or getattr(config, "moe_shared_expert_gate", False) \
                 or (config.tensor_model_parallel_size or 1) > 1 \
