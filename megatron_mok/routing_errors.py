@@ -45,7 +45,9 @@ class _DeviceLatch:
         self.status = torch.zeros(STATUS_SIZE, dtype=torch.int32, device=device)
         # Row _RING: the copy a captured CUDA graph makes (no event: read after a sync).
         self.copies = torch.zeros(_RING + 1, STATUS_SIZE, dtype=torch.int32, pin_memory=True)
+        self.rows = self.copies.numpy()  # the same pinned memory, read without tensor ops
         self.events: list[Optional[torch.cuda.Event]] = [None] * _RING
+        self.unread: set = set()  # slots whose copy is queued and not yet read clean
         self.next = 0
         self.captured = False
 
@@ -65,12 +67,15 @@ class _DeviceLatch:
         if event is None:
             event = self.events[slot] = torch.cuda.Event()
         event.record()
+        self.unread.add(slot)
         self.next = (slot + 1) % _RING
 
     def poll(self, wait: bool = False) -> None:
+        """Read the copies that completed since the last poll (each once: a clean copy
+        stays clean); raise RoutingError at the first that shows an error."""
         if torch.cuda.is_current_stream_capturing():
             return
-        ready = [slot for slot, event in enumerate(self.events) if event is not None]
+        ready = sorted(self.unread)
         if wait:
             if self.captured:  # graph replays copy without an event
                 torch.cuda.synchronize(self.device)
@@ -79,10 +84,12 @@ class _DeviceLatch:
             if latest is not None:
                 latest.synchronize()
         for slot in ready:
-            if slot < _RING and not self.events[slot].query():
-                continue
-            record = self.copies[slot].tolist()
-            if record[BITS]:
+            if slot < _RING:
+                if not self.events[slot].query():
+                    continue
+                self.unread.discard(slot)
+            if self.rows[slot, BITS]:
+                record = self.rows[slot].tolist()
                 self.clear()
                 raise RoutingError(describe(record))
 
@@ -90,6 +97,7 @@ class _DeviceLatch:
         """Forget the latched error: in-flight copies still show it, so they are voided."""
         self.status.zero_()
         self.events = [None] * _RING
+        self.unread.clear()
         self.copies.zero_()
 
 

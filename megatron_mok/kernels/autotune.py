@@ -78,6 +78,22 @@ def workspace_key(ws, inter: int) -> str:
 
 
 _LOADED: dict = {}  # cache file path -> its entries
+# Resolved plans per (workspace shape, inter, config, ...): forward_plan / backward_plan
+# run in every layer call, and resolving builds the cache path and key strings (~20 us
+# each). Dropped whenever what they read can change: store, forget_cache, a knobs reload.
+_RESOLVED: dict = {}
+
+
+def _forget_resolved(_values=None) -> None:
+    _RESOLVED.clear()
+
+
+knobs.on_reload(_forget_resolved)
+
+
+def _memo_key(ws, *rest) -> tuple:
+    return (ws.device, ws.num_tokens, ws.hidden_size, ws.num_local_experts, ws.topk,
+            ws.ep_size, *rest)
 
 
 def _entries() -> dict:
@@ -98,6 +114,7 @@ def forget_cache() -> None:
     """Drop the entries read from the cache file, so the next lookup reads it again (for
     tests and scripts that rewrite the file or point MOK_AUTOTUNE_CACHE elsewhere)."""
     _LOADED.clear()
+    _RESOLVED.clear()
 
 
 def lookup(key: str) -> Optional[ForwardPlan]:
@@ -115,6 +132,7 @@ def store(key: str, plan, timings_ms: dict, write: bool = True) -> None:
     `write`, in the cache file."""
     entries = _entries()
     entries[key] = {"plan": dataclasses.asdict(plan), "timings_ms": timings_ms}
+    _RESOLVED.clear()
     if not write:
         return
     path = cache_file()
@@ -132,6 +150,15 @@ def store(key: str, plan, timings_ms: dict, write: bool = True) -> None:
 
 
 def forward_plan(ws, inter: int, config) -> ForwardPlan:
+    """_resolve_forward_plan, memoised per workspace shape, inter and config."""
+    key = _memo_key(ws, "fwd", inter, config)
+    plan = _RESOLVED.get(key)
+    if plan is None:
+        plan = _RESOLVED[key] = _resolve_forward_plan(ws, inter, config)
+    return plan
+
+
+def _resolve_forward_plan(ws, inter: int, config) -> ForwardPlan:
     """The forward path and knobs for this workspace: MOK_FORWARD, else the cached plan
     (config.autotune), else the default with the config's knobs: at EP = 1 the spread
     megakernel where it can run (measured 0.97-1.17x the launch chain's time, 5 of 6
@@ -186,6 +213,16 @@ def lookup_backward(key: str) -> Optional[BackwardPlan]:
 
 
 def backward_plan(ws, inter: int, config, dtype: torch.dtype, in_place: bool) -> BackwardPlan:
+    """_resolve_backward_plan, memoised per workspace shape and arguments."""
+    key = _memo_key(ws, "bwd", inter, config, dtype, in_place)
+    plan = _RESOLVED.get(key)
+    if plan is None:
+        plan = _RESOLVED[key] = _resolve_backward_plan(ws, inter, config, dtype, in_place)
+    return plan
+
+
+def _resolve_backward_plan(ws, inter: int, config, dtype: torch.dtype,
+                           in_place: bool) -> BackwardPlan:
     """The backward's dgrad path: MOK_BACKWARD (with MOK_BACKWARD_MINIBATCH) if set, else
     the cached plan (config.autotune) where the megakernel can run, else the launch chain
     (the backward megakernel is not yet measured: docs/perf-notes.md)."""
