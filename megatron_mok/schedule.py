@@ -195,9 +195,17 @@ def _build_row_table_kernel(topk_idx_all: torch.Tensor, ep_rank: int, num_local_
     """build_row_table's table from the CUDA op: the same integers, three launches."""
     ids = topk_idx_all.to(torch.int32).contiguous()
     device = ids.device
+    # One allocation for the table's int32 arrays (a layer call's host time is mostly
+    # such small ops), each array starting on a 256-byte boundary as its own would.
+    sizes = [capacity] * 3 + [num_local_experts, num_local_experts + 1, 1, 1, 1]
+    sizes += [ids.numel()] if ids.shape[0] == 1 else []
+    sizes += [1 + ids.numel()] if list_dropped else []
+    pieces = [part for n in sizes for part in (n, -n % 64)]  # each array, then its padding
+    arrays = iter(torch.empty(sum(pieces), dtype=torch.int32, device=device)
+                  .split(pieces)[::2])
 
     def ints(n):
-        return torch.empty(n, dtype=torch.int32, device=device)
+        return next(arrays)
 
     sched = MoKSchedule(peer_rank=ints(capacity), peer_token=ints(capacity),
                         peer_k=ints(capacity), tokens_per_expert=ints(num_local_experts),

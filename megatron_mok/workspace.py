@@ -57,6 +57,7 @@ class SymmetricArena:
                  num_tokens: int, hidden: int, topk: int, dtype: torch.dtype):
         tk = num_tokens * topk
         self.layout: dict[str, tuple[int, tuple, torch.dtype]] = {}
+        self._views: dict[str, torch.Tensor] = {}
         size = 0
         for name, shape, view_dtype in (
                 ("flags", (self.MAX_RANKS,), torch.int64),     # barrier arrivals, one per rank
@@ -92,9 +93,14 @@ class SymmetricArena:
         return self.layout[name][0]
 
     def view(self, name: str) -> torch.Tensor:
-        offset, shape, view_dtype = self.layout[name]
-        nbytes = math.prod(shape) * torch.empty((), dtype=view_dtype).element_size()
-        return self.buffer[offset:offset + nbytes].view(view_dtype).view(shape)
+        """The named view of the buffer (made once: layer calls ask for it every pass)."""
+        view = self._views.get(name)
+        if view is None:
+            offset, shape, view_dtype = self.layout[name]
+            nbytes = math.prod(shape) * torch.empty((), dtype=view_dtype).element_size()
+            view = self._views[name] = \
+                self.buffer[offset:offset + nbytes].view(view_dtype).view(shape)
+        return view
 
     def barrier(self, timeout_ms: Optional[int] = None) -> None:
         """EP-group barrier on the current stream (no host sync); no-op at EP 1."""
