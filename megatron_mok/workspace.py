@@ -37,6 +37,15 @@ class MoKWorkspace:
     dtype: torch.dtype = torch.bfloat16
     arena: Optional["SymmetricArena"] = None  # kernel backend only
     forward_counters: Optional[torch.Tensor] = None  # forward megakernel, kernel backend only
+    _unit_weights: Optional[torch.Tensor] = None
+
+    def unit_weights(self) -> torch.Tensor:
+        """[T, K] fp32 ones: the backward's combine weights for dx rows read in place
+        (unrouted routes are skipped by their row, not by their weight). Made once."""
+        if self._unit_weights is None:
+            self._unit_weights = torch.ones(self.num_tokens, self.topk, dtype=torch.float32,
+                                            device=self.device)
+        return self._unit_weights
 
     @property
     def num_experts(self) -> int:
