@@ -83,7 +83,8 @@ class ExpertActivation:
         if self.clamp is not None:
             gate = gate.clamp(max=self.clamp)
             up = up.clamp(min=-self.clamp, max=self.clamp)
-        return f(gate) * (up + self.linear_offset)
+        # (No + 0.0 for plain GLUs: a pass over [.., I] fp32 for nothing.)
+        return f(gate) * (up + self.linear_offset if self.linear_offset else up)
 
     def describe(self) -> str:
         if self.is_swiglu:
