@@ -159,3 +159,31 @@ def test_gpt_oss_120b_config_trains_as_alltoall(tmp_path):
     assert all(math.isfinite(x) for x in mok) and mok[-1] < mok[0], mok
     worst = max(abs(a - b) for a, b in zip(ref, mok))
     assert worst < 1e-4, f"mok diverges from alltoall by {worst}:\n{ref}\n{mok}"
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.args")
+                                          if p.name != "te.args"
+                                          and "--transformer-impl local" in p.read_text()))
+def test_impl_te_swaps_the_local_spec_flags_for_transformer_engine(config):
+    """IMPL=te examples/train.sh: the config's local-spec switches (which later flags
+    cannot undo) give way to configs/te.args; everything else, and the extra flags, stay."""
+    def command(impl):
+        env = {**os.environ, "DRY_RUN": "1", "IMPL": impl}
+        out = subprocess.run(["bash", str(TRAIN_SH), str(REPO / "configs" / config), "mok",
+                              "--train-iters", "3"], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        return out.split()
+
+    local, te = command("local"), command("te")
+    assert local[local.index("--transformer-impl") + 1] == "local"
+    assert te[te.index("--transformer-impl") + 1] == "transformer_engine"
+    assert te.count("--transformer-impl") == 1 and "--moe-permute-fusion" in te
+    dropped = {"--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+               "--no-rope-fusion", "--no-persist-layer-norm", "--recompute-granularity",
+               "--recompute-modules"}
+    assert dropped <= set(local) and not dropped & set(te)
+    local_only = dropped | {"--transformer-impl", "local", "selective", "core_attn"}
+    assert [w for w in local if w not in local_only] == \
+        [w for w in te if w not in {"--transformer-impl", "transformer_engine",
+                                    "--moe-permute-fusion"}]
+    assert te[-4:] == ["--moe-token-dispatcher-type", "mok", "--train-iters", "3"]
