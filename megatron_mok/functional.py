@@ -148,9 +148,14 @@ def forward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, 
 
 
 def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None, b2=None, *,
-             keep_ctx):
-    topk_idx = _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
-                                  b1, b2)
+             keep_ctx, inputs_checked=False):
+    """inputs_checked: fused_moe checked these inputs and built ws and sched from them
+    (the checks cost a layer call's host time twice otherwise)."""
+    if inputs_checked:
+        topk_idx = sched.topk_idx_all[ws.ep_rank]
+    else:
+        topk_idx = _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1,
+                                      shared_w2, b1, b2)
     backend = "kernel" if ws.arena is not None else "reference"
     if backend == "kernel":
         check_kernel_config(config)  # e.g. FP8 or biases on a kernel workspace
@@ -242,9 +247,9 @@ class MoKFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2, config, ws, sched,
-                recompute, accumulators=None):
+                recompute, accumulators=None, inputs_checked=False):
         y, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2,
-                          keep_ctx=not recompute)
+                          keep_ctx=not recompute, inputs_checked=inputs_checked)
         fctx.mok = (config, ws, sched, ctx if not recompute else None, accumulators)
         if recompute:
             fctx.save_for_backward(x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2)
@@ -262,7 +267,7 @@ class MoKFunction(torch.autograd.Function):
         g = backward(config, ws, sched, ctx, dy.contiguous(), accumulators)
         fctx.mok = None
         return (g.dx, g.d_topk_w, g.dw1, g.dw2, g.d_shared_w1, g.d_shared_w2, g.db1, g.db2,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1: torch.Tensor,
@@ -323,4 +328,4 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
         check_kernel_dims(intermediate_size=w1.shape[1] // 2)
     sched = build_schedule(ws, config, topk_idx)
     return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2, config, ws, sched,
-                             recompute, accumulators)
+                             recompute, accumulators, True)
