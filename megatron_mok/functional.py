@@ -83,12 +83,20 @@ def build_schedule(ws: MoKWorkspace, config: MoKConfig, topk_idx: torch.Tensor) 
     return sched
 
 
+def _meta(y: torch.Tensor) -> tuple:
+    return tuple(y.shape), y.dtype
+
+
 @dataclasses.dataclass
 class MoKForwardContext:
     """What backward needs from forward. The reference backend keeps its autograd graph."""
 
     backend: str
-    output: Optional[torch.Tensor]  # y (detached); None once backward consumed the context
+    # y's (shape, dtype); None once backward consumed the context. Not y itself: y's
+    # grad_fn holds this context, and a context holding y makes a cycle that only Python's
+    # garbage collector frees, so a forward without a backward (evaluation with autograd
+    # on, benchmarks) would keep every pass's activations and cudaMalloc anew each call.
+    output: Optional[tuple]
     leaves: tuple = ()       # reference: detached inputs the gradients are taken for
     graph: Optional[torch.Tensor] = None  # reference: y with its autograd graph
     saved: object = None     # kernel: kernel_backend.KernelSaved
@@ -161,7 +169,7 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
         check_kernel_config(config)  # e.g. FP8 or biases on a kernel workspace
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
                                           keep_ctx, config)
-        return y, MoKForwardContext(backend, y if keep_ctx else None, saved=saved)
+        return y, MoKForwardContext(backend, _meta(y) if keep_ctx else None, saved=saved)
     sched.check_errors()  # the reference is not sync-free anyway
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)
                    for t in (x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2))
@@ -174,7 +182,7 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
                                         check=False, topk_idx_all=sched.topk_idx_all,
                                         activation=config.activation, b1=leaves[6],
                                         b2=leaves[7])
-    ctx = MoKForwardContext(backend, y.detach() if keep_ctx else None, leaves=leaves,
+    ctx = MoKForwardContext(backend, _meta(y) if keep_ctx else None, leaves=leaves,
                             graph=y if keep_ctx else None)
     return y.detach(), ctx
 
@@ -187,8 +195,9 @@ def backward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, ctx: MoKFo
     if ctx.output is None:
         raise ValueError("the forward context holds no graph; rebuild it with "
                          "recompute_forward_context")
-    if grad_output.shape != ctx.output.shape or grad_output.dtype != ctx.output.dtype:
-        raise ValueError(f"grad_output must be {tuple(ctx.output.shape)} {ctx.output.dtype}, got "
+    shape, dtype = ctx.output
+    if tuple(grad_output.shape) != shape or grad_output.dtype != dtype:
+        raise ValueError(f"grad_output must be {shape} {dtype}, got "
                          f"{tuple(grad_output.shape)} {grad_output.dtype}")
     ctx.output = None  # the context is consumed
     if ctx.backend == "kernel":

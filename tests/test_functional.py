@@ -118,3 +118,35 @@ def test_reference_backend_on_gpu_matches_cpu():
     assert rel_l2(y.cpu(), y_cpu) < 1e-2
     for name in ("x", "topk_w") + WEIGHTS:
         assert rel_l2(leaves[name].grad.cpu(), ref[name].grad) < 1e-2, name
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_a_forward_without_backward_frees_its_context_at_once(monkeypatch, backend):
+    """Dropping y frees what the pass saved, by reference counting alone: the context must
+    not hold y (y's grad_fn holds the context), or every forward without a backward keeps
+    its activations until the garbage collector runs (the kernel pass: cudaMalloc anew on
+    every call). The kernel pass is stood in for on the CPU (its launches patched out)."""
+    import dataclasses
+    import gc
+    import weakref
+
+    config = MoKConfig(backend="reference")
+    inputs = make_moe_inputs(seed=21)
+    ws = _workspace(inputs, config)
+    sched = mok.build_schedule(ws, config, inputs["topk_idx"])
+    if backend == "kernel":
+        monkeypatch.setattr(mok.kernel_backend, "forward",
+                            lambda ws, sched, x, *args: (x * 2, object()))
+        ws = dataclasses.replace(ws, arena=object())
+    x = inputs["x"].clone().requires_grad_()
+    gc.collect()
+    gc.disable()
+    try:
+        y = mok.MoKFunction.apply(x, inputs["topk_w"], inputs["w1"], inputs["w2"], None, None,
+                                  None, None, config, ws, sched, False, None, True)
+        context = weakref.ref(y.grad_fn.mok[3])
+        assert context() is not None
+        del y
+        assert context() is None, "the forward context outlived its output"
+    finally:
+        gc.enable()
