@@ -8,12 +8,9 @@ import torch
 
 import test_dispatcher_contract as contract
 from dist_utils import run_distributed
+from megatron_mok.reference import rel_l2
 
 FP32_REL_L2 = 1e-6  # the bound quoted in the README
-
-
-def _rel(a, b):
-    return float((a - b).double().norm() / b.double().norm())
 
 
 def _rounding_fn(rank, world_size):
@@ -24,7 +21,7 @@ def _rounding_fn(rank, world_size):
         fused.load_state_dict(ref.state_dict(), strict=True)
         for seed in range(3):
             (out_ref, gx_ref, _), (out, gx, _) = contract._step(ref, seed), contract._step(fused, seed)
-            err, gerr = _rel(out, out_ref), _rel(gx, gx_ref)
+            err, gerr = rel_l2(out, out_ref), rel_l2(gx, gx_ref)
             print(f"mok vs alltoall, fp32, {overrides or 'routed only'}, seed {seed}: "
                   f"output rel L2 {err:.1e}, max abs {float((out - out_ref).abs().max()):.1e} "
                   f"(|out| max {float(out_ref.abs().max()):.2f}); dx rel L2 {gerr:.1e}")
@@ -79,14 +76,14 @@ def _activations_fn(rank, world_size):
         assert fused.mok_config.expert_bias == bool(overrides.get("add_bias_linear")), case
         fused.load_state_dict(ref.state_dict(), strict=True)
         (out_ref, gx_ref, g_ref), (out, gx, g) = contract._step(ref, 0), contract._step(fused, 0)
-        err = _rel(out, out_ref)
-        print(f"{case}: output rel L2 {err:.1e}, dx rel L2 {_rel(gx, gx_ref):.1e}")
-        assert 0 < err < FP32_REL_L2 and _rel(gx, gx_ref) < FP32_REL_L2, case
+        err = rel_l2(out, out_ref)
+        print(f"{case}: output rel L2 {err:.1e}, dx rel L2 {rel_l2(gx, gx_ref):.1e}")
+        assert 0 < err < FP32_REL_L2 and rel_l2(gx, gx_ref) < FP32_REL_L2, case
         assert g.keys() == g_ref.keys()
         if overrides.get("add_bias_linear"):
             assert any(name.endswith("linear_fc2.bias") for name in g), case
         for name in g:
-            assert _rel(g[name], g_ref[name]) < 1e-5, (case, name)
+            assert rel_l2(g[name], g_ref[name]) < 1e-5, (case, name)
 
 
 @pytest.mark.slow
