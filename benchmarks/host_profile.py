@@ -18,7 +18,6 @@ import time
 import torch
 
 from benchmarks import layer as L
-from benchmarks import shapes as S
 
 
 def _profile(fn, prepare, calls: int) -> tuple[float, list[dict]]:
@@ -67,10 +66,7 @@ def main(argv=None) -> int:
     result = {"meta": L.run_metadata(device, argparse.Namespace(warmup=1, iters=args.calls,
                                                                seed=0)), "shapes": {}}
     for name in args.shapes.split(","):
-        local = S.ep8_proxy(S.get_shape(name))
-        case = L.make_case(local, args.tokens, "balanced", device)
-        backend = L.MokBackend(L.make_weights(local, device), device)
-        inp = backend.prepare(case)
+        case, backend, inp = L.mok_on_shape(name, args.tokens, device)
 
         def clear():
             for t in backend.leaves(inp):

@@ -17,7 +17,6 @@ import traceback
 import torch
 
 from benchmarks import layer as L
-from benchmarks import shapes as S
 
 
 def first_sync(fn) -> str:
@@ -59,10 +58,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda")
     for name in args.shapes.split(","):
-        local = S.ep8_proxy(S.get_shape(name))
-        case = L.make_case(local, args.tokens, "balanced", device)
-        backend = L.MokBackend(L.make_weights(local, device), device)
-        inp = backend.prepare(case)
+        case, backend, inp = L.mok_on_shape(name, args.tokens, device)
 
         def forward():
             with torch.enable_grad():

@@ -651,6 +651,15 @@ class Timer:
         return times
 
 
+def mok_on_shape(name: str, num_tokens: int, device: torch.device):
+    """(case, MokBackend, its inputs) of the ep8-proxy share of shape `name`, balanced
+    routing: the set-up of the host-side tools (benchmarks.host_sync, host_profile)."""
+    local = S.ep8_proxy(S.get_shape(name))
+    case = make_case(local, num_tokens, "balanced", device)
+    backend = MokBackend(make_weights(local, device), device)
+    return case, backend, backend.prepare(case)
+
+
 def host_call_ms(device: torch.device, prepare: Callable[[], object],
                  op: Callable[[object], object], calls: int = HOST_CALLS) -> Optional[float]:
     """Median CPU wall time for op(prepare()) to return, each call issued on an idle GPU

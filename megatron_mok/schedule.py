@@ -204,8 +204,10 @@ def _build_row_table_kernel(topk_idx_all: torch.Tensor, ep_rank: int, num_local_
     arrays = iter(torch.empty(sum(pieces), dtype=torch.int32, device=device)
                   .split(pieces)[::2])
 
-    def ints(n):
-        return next(arrays)
+    def ints(n):  # the next array of `sizes`, in order
+        array = next(arrays)
+        assert array.numel() == n
+        return array
 
     sched = MoKSchedule(peer_rank=ints(capacity), peer_token=ints(capacity),
                         peer_k=ints(capacity), tokens_per_expert=ints(num_local_experts),
