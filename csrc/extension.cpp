@@ -61,10 +61,13 @@ TORCH_LIBRARY(megatron_mok, m) {
   // Zero the (t, k) slot row and scalar of every dropped route on its source rank.
   m.def("zero_dropped_routes(Tensor peer_base, int slots_offset, int scalar_offset, "
         "Tensor dropped, int num_tokens, int topk, int hidden) -> ()");
+  // w_offset >= 0: row_w[j] = the router weight of row j's route (0 for padding); the
+  // rows themselves are copied unscaled (the dgrad epilogue applies the weight).
   m.def("pull_rows(Tensor peer_base, int src_offset, Tensor peer_rank, Tensor peer_token, "
-        "Tensor peer_k, Tensor num_rows, int topk, int w_offset, Tensor? saved, Tensor(a!) out, "
-        "Tensor(b!)? dots) -> ()");
-  m.def("push_rows(Tensor rows, Tensor peer_base, int dst_offset, Tensor peer_rank, "
+        "Tensor peer_k, Tensor num_rows, int topk, int w_offset, Tensor(a!) out, "
+        "Tensor(b!)? row_w=None) -> ()");
+  // rows None: the scalars only.
+  m.def("push_rows(Tensor? rows, Tensor peer_base, int dst_offset, Tensor peer_rank, "
         "Tensor peer_token, Tensor peer_k, Tensor num_rows, int topk, Tensor? scalars, "
         "int scalar_offset) -> ()");
   // Grouped-GEMM core over the row table (csrc/gemm/). max_ctas > 0 caps the persistent
@@ -73,8 +76,12 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor(a!) act, Tensor(b!)? h, int max_ctas) -> ()");
   m.def("grouped_gemm_rows(Tensor a, Tensor w, Tensor expert_offsets, Tensor num_rows, "
         "bool w_transposed, Tensor(a!) out, int max_ctas) -> ()");
-  m.def("grouped_dgrad_swiglu(Tensor d_out, Tensor w2, Tensor expert_offsets, Tensor num_rows, "
-        "Tensor h, Tensor(a!) d_h, int max_ctas) -> ()");
+  // row_w, dots_part, act_scaled (together): dy_rows are unscaled, the epilogue applies
+  // row r's router weight row_w[r] and writes dots_part [rows, ceil(I / 256)] (partial
+  // <dy, y_row> per column tile) and act_scaled = w * SwiGLU(h) (dW2's operand).
+  m.def("grouped_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor expert_offsets, "
+        "Tensor num_rows, Tensor h, Tensor(a!) d_h, int max_ctas, Tensor? row_w=None, "
+        "Tensor(b!)? dots_part=None, Tensor(c!)? act_scaled=None) -> ()");
   // accumulate: out (fp32) += the gradient, through TMA reduce-add stores (Megatron's
   // main_grad; one owner per tile, so one add per element: deterministic). out's planes
   // may lie apart (stride(0) >= M * N); reverse_experts: expert e's gradient is plane
@@ -96,23 +103,24 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor(c!)? h, Tensor(d!) y_rows, Tensor(e!) counters, Tensor(f!) watchdog, "
         "int timeout_ms, int rank, int num_comm, int minibatch_rows, bool direct, bool store_y, "
         "int hold_tile, Tensor(g!)? probe=None, bool scatter=True) -> ()");
-  // The backward megakernel (megakernel/backward.cuh): d_out = dy rows scaled by their
-  // router weight, dots = <dy, y_rows> per row, d_h (fc2 dgrad + SwiGLU backward from h)
-  // and dx_rows (fc1 dgrad) in one persistent launch. dy_local / topk_w_local at EP = 1,
-  // else the peers' arena; scatter: dx rows and dots into the owners' slots (then dx_rows
-  // is not written and may be None). With act, x_rows, dw2, dw1 (phase 2): dw2 = d_out^T
-  // act and dw1 = d_h^T x_rows per expert, bf16, or added into fp32 planes (accumulate;
-  // reverse*: expert e into plane E - 1 - e). expert_offsets[E] must equal num_rows: the
-  // wgrad tiles wait on the row tiles up to it.
+  // The backward megakernel (megakernel/backward.cuh): dy_rows = the dy rows of the table
+  // (unscaled) and row_w their router weights, then fc2 dgrad with the weight and the
+  // SwiGLU backward in its epilogue (d_h from h; dots_part [rows, ceil(I / 256)]: partial
+  // <dy, y_row> per column tile; act_scaled = w * SwiGLU(h)) and dx_rows (fc1 dgrad) in one
+  // persistent launch. dy_local / topk_w_local at EP = 1, else the peers' arena; scatter:
+  // dx rows into the owners' slots (then dx_rows is not written and may be None). With
+  // x_rows, dw2, dw1 (phase 2): dw2 = dy_rows^T act_scaled and dw1 = d_h^T x_rows per
+  // expert, bf16, or added into fp32 planes (accumulate; reverse*: expert e into plane
+  // E - 1 - e). expert_offsets[E] must equal num_rows: the wgrad tiles wait on the row
+  // tiles up to it.
   m.def("moe_backward(Tensor peer_base, int dy_offset, int w_offset, Tensor? dy_local, "
         "Tensor? topk_w_local, int topk, Tensor peer_rank, Tensor peer_token, Tensor peer_k, "
         "Tensor expert_offsets, Tensor num_rows, Tensor w1, Tensor w2, Tensor h, "
-        "Tensor y_rows, Tensor(a!) d_out, Tensor(b!) dots, Tensor(c!) d_h, Tensor(d!)? dx_rows, "
-        "Tensor(e!) counters, Tensor(f!) watchdog, int timeout_ms, int rank, "
-        "int minibatch_rows, bool scatter, int slots_offset, int dtopk_offset, "
-        "int hold_tile, Tensor? act=None, Tensor? x_rows=None, Tensor(g!)? dw2=None, "
-        "Tensor(h!)? dw1=None, bool accumulate=False, bool reverse2=False, "
-        "bool reverse1=False) -> ()");
+        "Tensor(a!) dy_rows, Tensor(b!) row_w, Tensor(c!) dots_part, Tensor(d!) act_scaled, "
+        "Tensor(e!) d_h, Tensor(f!)? dx_rows, Tensor(g!) counters, Tensor(h!) watchdog, "
+        "int timeout_ms, int rank, int minibatch_rows, bool scatter, int slots_offset, "
+        "int hold_tile, Tensor? x_rows=None, Tensor(i!)? dw2=None, Tensor(j!)? dw1=None, "
+        "bool accumulate=False, bool reverse2=False, bool reverse1=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

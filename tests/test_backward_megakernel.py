@@ -1,6 +1,7 @@
-"""Backward megakernel (pull dy scaled -> fc2 dgrad + SwiGLU backward -> fc1 dgrad ->
-weight gradients in one launch, EP = 1; MOK_BACKWARD=megakernel) on the GPU: its outputs
-are the bits of the launch chain's pull_rows + dgrad_swiglu + rows_matmul + wgrad (also
+"""Backward megakernel (pull dy rows and weights -> fc2 dgrad with the weights and the
+SwiGLU backward -> fc1 dgrad -> weight gradients in one launch, EP = 1;
+MOK_BACKWARD=megakernel) on the GPU: its outputs are the bits of the launch chain's
+pull_rows + dgrad_swiglu_routed + rows_matmul + wgrad (also
 added into main_grad planes), a whole training step's gradients are the chain's and within
 tolerance of the reference, and they do not depend on the minibatch or the run; a row
 that is never pulled becomes a watchdog error."""
@@ -59,32 +60,39 @@ def test_outputs_are_the_launch_chains_bits(shape):
     gen = torch.Generator(device="cuda").manual_seed(5)
     dy = torch.randn(700, hidden, device="cuda", generator=gen).bfloat16()
     h = torch.randn(cap, 2 * inter, device="cuda", generator=gen).bfloat16()
-    y_rows = torch.randn(cap, hidden, device="cuda", generator=gen).bfloat16()
     w1, w2 = inputs["w1"].contiguous(), inputs["w2"].contiguous()
     topk_w = inputs["topk_w"].float().contiguous()
 
-    # The chain: pull_rows (scaled, with dots), dgrad_swiglu, rows_matmul.
+    # The chain: pull_rows (rows and weights), dgrad_swiglu_routed, rows_matmul.
     arena = ws.arena
     arena.view("dy").copy_(dy)
     arena.view("topk_w").copy_(topk_w)
-    d_out_ref = torch.full((cap, hidden), float("nan"), device="cuda").bfloat16()
-    dots_ref = torch.full((cap,), float("nan"), device="cuda")
-    ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out_ref,
-                  w_offset=arena.offset("topk_w"), saved=y_rows, dots=dots_ref)
-    d_h_ref = grouped_gemm.dgrad_swiglu(d_out_ref, w2, h, sched.expert_offsets, sched.num_rows)
+    dy_rows_ref = torch.full((cap, hidden), float("nan"), device="cuda").bfloat16()
+    row_w_ref = torch.full((cap,), float("nan"), device="cuda")
+    ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, dy_rows_ref,
+                  w_offset=arena.offset("topk_w"), row_w=row_w_ref)
+    d_h_ref, dots_ref, act_s_ref = grouped_gemm.dgrad_swiglu_routed(
+        dy_rows_ref, row_w_ref, w2, h, sched.expert_offsets, sched.num_rows)
     dx_ref = grouped_gemm.rows_matmul(d_h_ref, w1, sched.expert_offsets, sched.num_rows,
                                       w_transposed=True)
 
-    junk = torch.full((4, cap, max(hidden, 2 * inter)), float("nan"), device="cuda").bfloat16()
+    junk = torch.full((6, cap, max(hidden, 2 * inter)), float("nan"), device="cuda").bfloat16()
     del junk  # the caching allocator hands these NaN blocks out next
-    d_out, dots, d_h, dx = megakernel.moe_backward(ws, sched, dy, topk_w, w1, w2, h, y_rows,
-                                                   minibatch_rows=256)
+    out = megakernel.moe_backward(ws, sched, dy, topk_w, w1, w2, h, minibatch_rows=256)
     torch.cuda.synchronize()
-    assert torch.equal(d_out[:rows], d_out_ref[:rows])
-    assert torch.equal(dots[:rows], dots_ref[:rows])
-    assert torch.equal(d_h[:rows], d_h_ref[:rows])
-    assert torch.equal(dx[:rows], dx_ref[:rows])
-    assert torch.isfinite(dx[:rows].float()).all()
+    assert torch.equal(out.dy_rows[:rows], dy_rows_ref[:rows])
+    assert torch.equal(out.row_w[:rows], row_w_ref[:rows])
+    assert torch.equal(out.dots_part[:rows], dots_ref[:rows])
+    assert torch.equal(out.act_scaled[:rows], act_s_ref[:rows])
+    assert torch.equal(out.d_h[:rows], d_h_ref[:rows])
+    assert torch.equal(out.dx_rows[:rows], dx_ref[:rows])
+    assert torch.isfinite(out.dx_rows[:rows].float()).all()
+    # The pull itself, against the routing: row j holds dy[token] and w[token, k].
+    valid = sched.peer_rank[:rows] >= 0
+    tok, k = sched.peer_token[:rows].long(), sched.peer_k[:rows].long()
+    assert torch.equal(out.dy_rows[:rows][valid], dy[tok[valid]])
+    assert torch.equal(out.row_w[:rows][valid], topk_w[tok[valid], k[valid]])
+    assert torch.count_nonzero(out.dy_rows[:rows][~valid]) == 0
 
 
 def _fp32_wgrad(a, b, offsets):
@@ -106,7 +114,7 @@ def _planes_apart(experts, m, n, gap, gen):
 @pytest.mark.parametrize("mode", ["bf16", "main_grad", "main_grad_reversed"])
 @pytest.mark.parametrize("shape", [(2048, 768, 16, 8), (1032, 520, 8, 4), (136, 72, 4, 2)])
 def test_weight_gradient_phase_is_the_wgrad_launches_bits(shape, mode):
-    """Phase 2 (MOK_BACKWARD_WGRAD=fused): dw2 = d_out^T act and dw1 = d_h^T x_rows per
+    """Phase 2 (MOK_BACKWARD_WGRAD=fused): dw2 = dy_rows^T act_scaled and dw1 = d_h^T x_rows per
     expert, bf16 or added into fp32 planes lying apart (reversed as in Megatron's buffer),
     are the bits of grouped_gemm.wgrad on the same operands and near an fp32 reference; an
     expert without rows gets zeros (adds nothing)."""
@@ -121,8 +129,6 @@ def test_weight_gradient_phase_is_the_wgrad_launches_bits(shape, mode):
     gen = torch.Generator(device="cuda").manual_seed(6)
     dy = torch.randn(700, hidden, device="cuda", generator=gen).bfloat16()
     h = torch.randn(cap, 2 * inter, device="cuda", generator=gen).bfloat16()
-    y_rows = torch.randn(cap, hidden, device="cuda", generator=gen).bfloat16()
-    act = torch.randn(cap, inter, device="cuda", generator=gen).bfloat16()
     x_rows = torch.randn(cap, hidden, device="cuda", generator=gen).bfloat16()
     w1, w2 = inputs["w1"].contiguous(), inputs["w2"].contiguous()
     topk_w = inputs["topk_w"].float().contiguous()
@@ -134,12 +140,13 @@ def test_weight_gradient_phase_is_the_wgrad_launches_bits(shape, mode):
         dw2 = torch.full((experts, hidden, inter), float("nan"), device="cuda").bfloat16()
         dw1 = torch.full((experts, 2 * inter, hidden), float("nan"), device="cuda").bfloat16()
     start2, start1 = dw2.clone(), dw1.clone()
-    targets = megakernel.WgradTargets(act, x_rows, dw2, dw1, accumulate=accumulate,
+    targets = megakernel.WgradTargets(x_rows, dw2, dw1, accumulate=accumulate,
                                       reverse2=reverse, reverse1=reverse)
-    d_out, dots, d_h, dx = megakernel.moe_backward(ws, sched, dy, topk_w, w1, w2, h, y_rows,
-                                                   minibatch_rows=256, wgrad=targets)
-    # The chain's wgrad launches on the megakernel's own d_out and d_h (themselves the
-    # chain's bits: test_outputs_are_the_launch_chains_bits).
+    out = megakernel.moe_backward(ws, sched, dy, topk_w, w1, w2, h, minibatch_rows=256,
+                                  wgrad=targets)
+    d_out, act, d_h = out.dy_rows, out.act_scaled, out.d_h
+    # The chain's wgrad launches on the megakernel's own dy rows, act_scaled and d_h
+    # (themselves the chain's bits: test_outputs_are_the_launch_chains_bits).
     if accumulate:
         ref2, ref1 = start2.clone(), start1.clone()
         grouped_gemm.wgrad(d_out, act, offsets, accumulate_into=ref2, reverse_experts=reverse)
@@ -290,8 +297,7 @@ cap = ws.capacity
 _STUCK = _SETUP + r"""
 dy = torch.randn(512, 1024, device="cuda").bfloat16()
 h = torch.randn(cap, 1024, device="cuda").bfloat16()
-y_rows = torch.randn(cap, 1024, device="cuda").bfloat16()
-megakernel.moe_backward(ws, sched, dy, inputs["topk_w"], inputs["w1"], inputs["w2"], h, y_rows,
+megakernel.moe_backward(ws, sched, dy, inputs["topk_w"], inputs["w1"], inputs["w2"], h,
                         minibatch_rows=256, hold_tile=1, timeout_ms=300)
 try:
     mok.synchronize(ws)
@@ -310,14 +316,13 @@ def test_watchdog_reports_a_row_tile_that_is_never_pulled():
 
 _FRESH_THREAD = _SETUP + r"""
 t = lambda *shape: torch.randn(*shape, device="cuda").bfloat16()
-dy, h, y_rows, act, x_rows = t(512, 1024), t(cap, 1024), t(cap, 1024), t(cap, 512), t(cap, 1024)
-targets = megakernel.WgradTargets(act, x_rows, t(8, 1024, 512), t(8, 1024, 1024))
+dy, h, x_rows = t(512, 1024), t(cap, 1024), t(cap, 1024)
+targets = megakernel.WgradTargets(x_rows, t(8, 1024, 512), t(8, 1024, 1024))
 out = {{}}
 def run():  # this thread's first CUDA call encodes the megakernel's TMA descriptors
-    out["grads"] = megakernel.moe_backward(ws, sched, dy, inputs["topk_w"], inputs["w1"],
-                                           inputs["w2"], h, y_rows, minibatch_rows=256,
-                                           wgrad=targets)
-    out["dw"] = grouped_gemm.wgrad(out["grads"][0], act, sched.expert_offsets)
+    grads = megakernel.moe_backward(ws, sched, dy, inputs["topk_w"], inputs["w1"],
+                                    inputs["w2"], h, minibatch_rows=256, wgrad=targets)
+    out["dw"] = grouped_gemm.wgrad(grads.dy_rows, grads.act_scaled, sched.expert_offsets)
 thread = threading.Thread(target=run)
 thread.start()
 thread.join()

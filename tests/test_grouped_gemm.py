@@ -126,6 +126,71 @@ def test_backward_ops_match_fp32(routing, hidden, inter, cluster):
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", list(COUNTS))
 @pytest.mark.parametrize("hidden, inter", DIMS + [(512, 1408)])
+def test_dgrad_swiglu_routed_matches_fp32_and_its_bits_hold(routing, hidden, inter, monkeypatch):
+    """The router weights applied in the epilogue: d_h is the SwiGLU backward of w * (dy @ w2),
+    the partials sum to <dy @ w2, act> = <dy, act @ w2^T> (the router weight's gradient, <dy,
+    y_row>), act_scaled = w * act; padding rows (w = 0, dy = 0) give zeros. The same bits
+    for h through the ring or from global memory, clusters of 1 or 2 and any grid size."""
+    monkeypatch.delenv("MOK_GEMM_PINGPONG", raising=False)
+    counts = COUNTS[routing]
+    offsets, num_rows, capacity, real = _row_table(counts)
+    E = len(counts)
+    dy_rows = _rows(capacity, hidden, real, seed=51)
+    h = _rows(capacity, 2 * inter, real, seed=52, scale=3.0)
+    w2 = _weights(E, hidden, inter, seed=53)
+    g = torch.Generator().manual_seed(54)
+    row_w = (torch.rand(capacity, generator=g) * real).cuda()
+    used = int(num_rows.item())
+    runs = {}
+    for name, env, max_ctas in (("ring", {"MOK_GEMM_CLUSTER": "1"}, 0),
+                                ("ring-5", {"MOK_GEMM_CLUSTER": "1"}, 5),
+                                ("global", {"MOK_GEMM_CLUSTER": "1", "MOK_DGRAD_H": "global"}, 0),
+                                ("cluster2", {"MOK_GEMM_CLUSTER": "2"}, 1)):
+        monkeypatch.delenv("MOK_DGRAD_H", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        out = gg.dgrad_swiglu_routed(dy_rows, row_w, w2, h, offsets, num_rows,
+                                     max_ctas=max_ctas)
+        runs[name] = [t[:used] for t in out]
+    d_h, dots_part, act_scaled = runs["ring"]
+    assert dots_part.shape[1] == gg.dgrad_col_tiles(inter)
+    for name, other in runs.items():
+        for a, b in zip(other, runs["ring"]):
+            assert torch.equal(a, b), name
+    gate, up = h.float().chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    w = row_w[:, None]
+    for e, lo, hi in _segments(offsets):
+        if hi == lo:
+            continue
+        acc = dy_rows[lo:hi].float() @ w2[e].float()
+        ref = _swiglu_bwd_ref(w[lo:hi] * acc, gate[lo:hi], up[lo:hi])
+        assert rel_l2(d_h[lo:hi].float(), ref) < TOL, e
+        y_rows = act[lo:hi].bfloat16().float() @ w2[e].float().t()
+        dots_ref = (dy_rows[lo:hi].float() * y_rows).sum(1)
+        assert rel_l2(dots_part[lo:hi].sum(1), dots_ref) < TOL, e
+        assert rel_l2(act_scaled[lo:hi].float(), w[lo:hi] * act[lo:hi]) < TOL, e
+    pad = ~real[:used].cuda()
+    assert torch.count_nonzero(d_h[pad]) == 0 and torch.count_nonzero(act_scaled[pad]) == 0
+    assert torch.count_nonzero(dots_part[pad]) == 0
+
+
+@pytest.mark.gpu
+def test_dgrad_swiglu_routed_rejects_bad_weights():
+    offsets, num_rows, capacity, real = _row_table([128])
+    dy_rows, h = _rows(capacity, 256, real, seed=1), _rows(capacity, 256, real, seed=2)
+    w2 = _weights(1, 256, 128, seed=3)
+    for bad in (torch.ones(capacity, device="cuda", dtype=torch.bfloat16),
+                torch.ones(capacity - 1, device="cuda")):
+        with pytest.raises(ValueError, match="row_w must be float32"):
+            gg.dgrad_swiglu_routed(dy_rows, bad, w2, h, offsets, num_rows)
+    with pytest.raises(ValueError, match="row_w must be on a CUDA device"):
+        gg.dgrad_swiglu_routed(dy_rows, torch.ones(capacity), w2, h, offsets, num_rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", DIMS + [(512, 1408)])
 def test_dgrad_swiglu_h_through_ring_same_bits_as_global(routing, hidden, inter, monkeypatch):
     """Core v5: the dgrad + SwiGLU-backward epilogue reads h from ring stages that the
     producer filled by TMA (default) instead of from global memory (MOK_DGRAD_H=global).

@@ -99,31 +99,30 @@ def test_moe_backward_rejects_bad_input_before_any_launch():
     ws = types.SimpleNamespace(ep_size=1, capacity=256)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="minibatch_rows"):
-        megakernel.moe_backward(ws, None, x, None, None, None, None, None, minibatch_rows=200)
+        megakernel.moe_backward(ws, None, x, None, None, None, None, minibatch_rows=200)
     w1 = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
     w2 = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
     h = torch.zeros(256, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA bfloat16"):  # CPU tensors
-        megakernel.moe_backward(ws, None, x, None, w1, w2, h, torch.zeros(256, 64),
-                                minibatch_rows=256)
+        megakernel.moe_backward(ws, None, x, None, w1, w2, h, minibatch_rows=256)
 
 
 def test_wgrad_targets_reject_bad_input():
     rows, hidden, inter, experts = 256, 64, 32, 2
     bf = dict(dtype=torch.bfloat16)
-    good = dict(act=torch.zeros(rows, inter, **bf), x_rows=torch.zeros(rows, hidden, **bf),
+    good = dict(x_rows=torch.zeros(rows, hidden, **bf),
                 dw2=torch.zeros(experts, hidden, inter, **bf),
                 dw1=torch.zeros(experts, 2 * inter, hidden, **bf))
     check = lambda **kw: megakernel.WgradTargets(**kw).check(rows, hidden, inter, experts)
-    with pytest.raises(ValueError, match=r"act must be \[256, 32\]"):
-        check(**dict(good, act=torch.zeros(rows, inter + 8, **bf)))
+    with pytest.raises(ValueError, match=r"x_rows must be \[256, 64\]"):
+        check(**dict(good, x_rows=torch.zeros(rows, hidden + 8, **bf)))
     with pytest.raises(ValueError, match=r"dw2 must be \[2, 64, 32\]"):  # dw1 / dw2 swapped
         check(**dict(good, dw2=good["dw1"], dw1=good["dw2"]))
     with pytest.raises(TypeError, match="x_rows must be torch.bfloat16"):
         check(**dict(good, x_rows=torch.zeros(rows, hidden)))
     with pytest.raises(TypeError, match=r"dw2 must be torch.float32 \(main_grad"):
         check(**good, accumulate=True)  # bf16 planes cannot take fp32 adds
-    with pytest.raises(ValueError, match="act must be on a CUDA device"):  # CPU tensors
+    with pytest.raises(ValueError, match="x_rows must be on a CUDA device"):  # CPU tensors
         check(**good)
     with pytest.raises(ValueError, match="reversed planes need accumulate"):
         check(**good, reverse1=True)
@@ -132,7 +131,7 @@ def test_wgrad_targets_reject_bad_input():
 def test_fused_wgrad_targets_follow_the_knob_and_the_accumulators(monkeypatch):
     experts, hidden, inter = 3, 16, 8
     saved = types.SimpleNamespace(
-        act=torch.zeros(128, inter), x_rows=torch.zeros(128, hidden),
+        x_rows=torch.zeros(128, hidden),
         w1=torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16),
         w2=torch.zeros(experts, hidden, inter, dtype=torch.bfloat16))
     monkeypatch.delenv("MOK_BACKWARD_WGRAD", raising=False)  # default: the wgrad launches

@@ -12,7 +12,6 @@
 
 #include <cute/tensor.hpp>
 
-#include "comm/row_math.cuh"
 #include "comm/symmetric.cuh"
 
 namespace megatron_mok {
@@ -21,63 +20,36 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 8;  // bf16 per 16-byte vector
 
-using row_math::dot8;
-using row_math::scale8;
 
-// Sum over the block in a fixed tree order; valid in thread 0.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float total = 0.f;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
-  }
-  __syncthreads();
-  return total;
-}
-
-// out[j] = src_rank[j].rows[token[j]] (optionally * w[token, k] of that rank),
-// dots[j] = <unscaled source row, saved[j]>; padding rows (rank -1) become zeros.
+// out[j] = src_rank[j].rows[token[j]]; with row_w, row_w[j] = that rank's router weight
+// w[token, k] (the rows stay unscaled: the dgrad epilogue applies it); padding rows (rank
+// -1) become zeros, weight 0.
 __global__ void __launch_bounds__(kThreads)
 pull_rows_kernel(const int64_t* __restrict__ peer_base, int64_t src_offset,
                  const int* __restrict__ peer_rank, const int* __restrict__ peer_token,
                  const int* __restrict__ peer_k, const int* __restrict__ num_rows,
-                 int topk, int64_t w_offset, const uint4* __restrict__ saved,
-                 uint4* __restrict__ out, float* __restrict__ dots, int64_t capacity,
-                 int64_t vecs_per_row) {
-  __shared__ float scratch[kThreads / 32];
+                 int topk, int64_t w_offset, uint4* __restrict__ out,
+                 float* __restrict__ row_w, int64_t capacity, int64_t vecs_per_row) {
   const int64_t rows = min(static_cast<int64_t>(num_rows[0]), capacity);
   for (int64_t j = blockIdx.x; j < rows; j += gridDim.x) {
     const int r = peer_rank[j];
     uint4* dst = out + j * vecs_per_row;
     if (r < 0) {
       for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = make_uint4(0, 0, 0, 0);
-      if (dots != nullptr && threadIdx.x == 0) dots[j] = 0.f;
+      if (row_w != nullptr && threadIdx.x == 0) row_w[j] = 0.f;
       continue;
     }
     const int64_t t = peer_token[j];
     const uint4* src = peer_ptr<const uint4>(peer_base, r, src_offset) + t * vecs_per_row;
-    const bool scaled = w_offset >= 0;
-    const float w = scaled ? peer_ptr<const float>(peer_base, r, w_offset)[t * topk + peer_k[j]]
-                           : 1.f;
-    float partial = 0.f;
-    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) {
-      const uint4 val = src[v];
-      if (saved != nullptr) partial += dot8(val, saved[j * vecs_per_row + v]);
-      dst[v] = scaled ? scale8(val, w) : val;
+    if (row_w != nullptr && threadIdx.x == 0) {
+      row_w[j] = peer_ptr<const float>(peer_base, r, w_offset)[t * topk + peer_k[j]];
     }
-    if (dots != nullptr) {
-      const float total = block_sum(partial, scratch);
-      if (threadIdx.x == 0) dots[j] = total;
-    }
+    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = src[v];
   }
 }
 
-// rows[j] -> slot (token[j] * topk + k[j]) of rank[j]'s destination buffer, and
-// scalars[j] -> the same slot of its scalar buffer.
+// rows[j] -> slot (token[j] * topk + k[j]) of rank[j]'s destination buffer (unless rows_in
+// is null), and scalars[j] -> the same slot of its scalar buffer.
 __global__ void __launch_bounds__(kThreads)
 push_rows_kernel(const uint4* __restrict__ rows_in, const int64_t* __restrict__ peer_base,
                  int64_t dst_offset, const int* __restrict__ peer_rank,
@@ -90,8 +62,10 @@ push_rows_kernel(const uint4* __restrict__ rows_in, const int64_t* __restrict__ 
     if (r < 0) continue;
     const int64_t slot = static_cast<int64_t>(peer_token[j]) * topk + peer_k[j];
     uint4* dst = peer_ptr<uint4>(peer_base, r, dst_offset) + slot * vecs_per_row;
-    const uint4* src = rows_in + j * vecs_per_row;
-    for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = src[v];
+    if (rows_in != nullptr) {
+      const uint4* src = rows_in + j * vecs_per_row;
+      for (int64_t v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = src[v];
+    }
     if (scalars != nullptr && threadIdx.x == 0) {
       peer_ptr<float>(peer_base, r, scalar_offset)[slot] = scalars[j];
     }
@@ -150,8 +124,8 @@ int grid_for(int64_t capacity) {
 
 void pull_rows(const at::Tensor& peer_base, int64_t src_offset, const at::Tensor& peer_rank,
                const at::Tensor& peer_token, const at::Tensor& peer_k, const at::Tensor& num_rows,
-               int64_t topk, int64_t w_offset, const std::optional<at::Tensor>& saved,
-               const at::Tensor& out, const std::optional<at::Tensor>& dots) {
+               int64_t topk, int64_t w_offset, const at::Tensor& out,
+               const std::optional<at::Tensor>& row_w) {
   check_table(peer_base, peer_rank, peer_token, peer_k, num_rows);
   TORCH_CHECK_VALUE(out.is_cuda() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 &&
                         out.is_contiguous() && out.size(0) == peer_rank.numel() &&
@@ -159,51 +133,51 @@ void pull_rows(const at::Tensor& peer_base, int64_t src_offset, const at::Tensor
                     "out must be a contiguous CUDA bf16 [capacity, H] tensor, H % 8 == 0");
   TORCH_CHECK_VALUE(src_offset % 16 == 0 && (w_offset < 0 || w_offset % 4 == 0),
                     "symmetric offsets must be aligned");
-  TORCH_CHECK_VALUE(saved.has_value() == dots.has_value(), "saved and dots go together");
-  if (saved.has_value()) {
-    TORCH_CHECK_VALUE(saved->sizes() == out.sizes() && saved->scalar_type() == at::kBFloat16 &&
-                          saved->is_contiguous(),
-                      "saved must match out");
-    TORCH_CHECK_VALUE(dots->scalar_type() == at::kFloat && dots->numel() == out.size(0) &&
-                          dots->is_contiguous(),
-                      "dots must be fp32 [capacity]");
+  TORCH_CHECK_VALUE((w_offset >= 0) == row_w.has_value(), "w_offset and row_w go together");
+  if (row_w.has_value()) {
+    TORCH_CHECK_VALUE(row_w->is_cuda() && row_w->scalar_type() == at::kFloat &&
+                          row_w->numel() == out.size(0) && row_w->is_contiguous(),
+                      "row_w must be contiguous CUDA fp32 [capacity]");
   }
   const c10::cuda::CUDAGuard guard(out.device());
   const int64_t capacity = out.size(0);
   pull_rows_kernel<<<grid_for(capacity), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       peer_base.data_ptr<int64_t>(), src_offset, peer_rank.data_ptr<int>(),
       peer_token.data_ptr<int>(), peer_k.data_ptr<int>(), num_rows.data_ptr<int>(),
-      static_cast<int>(topk), w_offset,
-      saved.has_value() ? reinterpret_cast<const uint4*>(saved->data_ptr()) : nullptr,
-      reinterpret_cast<uint4*>(out.data_ptr()), dots.has_value() ? dots->data_ptr<float>() : nullptr,
-      capacity, out.size(1) / kVec);
+      static_cast<int>(topk), w_offset, reinterpret_cast<uint4*>(out.data_ptr()),
+      row_w.has_value() ? row_w->data_ptr<float>() : nullptr, capacity, out.size(1) / kVec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void push_rows(const at::Tensor& rows, const at::Tensor& peer_base, int64_t dst_offset,
-               const at::Tensor& peer_rank, const at::Tensor& peer_token, const at::Tensor& peer_k,
-               const at::Tensor& num_rows, int64_t topk, const std::optional<at::Tensor>& scalars,
-               int64_t scalar_offset) {
+void push_rows(const std::optional<at::Tensor>& rows, const at::Tensor& peer_base,
+               int64_t dst_offset, const at::Tensor& peer_rank, const at::Tensor& peer_token,
+               const at::Tensor& peer_k, const at::Tensor& num_rows, int64_t topk,
+               const std::optional<at::Tensor>& scalars, int64_t scalar_offset) {
   check_table(peer_base, peer_rank, peer_token, peer_k, num_rows);
-  TORCH_CHECK_VALUE(rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 &&
-                        rows.is_contiguous() && rows.size(0) == peer_rank.numel() &&
-                        rows.size(1) % kVec == 0,
-                    "rows must be a contiguous CUDA bf16 [capacity, H] tensor, H % 8 == 0");
-  TORCH_CHECK_VALUE(dst_offset % 16 == 0 && (!scalars.has_value() || scalar_offset % 4 == 0),
-                    "symmetric offsets must be aligned");
+  TORCH_CHECK_VALUE(rows.has_value() || scalars.has_value(), "push_rows needs rows or scalars");
+  int64_t vecs_per_row = 0;
+  if (rows.has_value()) {
+    TORCH_CHECK_VALUE(rows->is_cuda() && rows->scalar_type() == at::kBFloat16 &&
+                          rows->dim() == 2 && rows->is_contiguous() &&
+                          rows->size(0) == peer_rank.numel() && rows->size(1) % kVec == 0,
+                      "rows must be a contiguous CUDA bf16 [capacity, H] tensor, H % 8 == 0");
+    TORCH_CHECK_VALUE(dst_offset % 16 == 0, "symmetric offsets must be aligned");
+    vecs_per_row = rows->size(1) / kVec;
+  }
   if (scalars.has_value()) {
-    TORCH_CHECK_VALUE(scalars->scalar_type() == at::kFloat && scalars->numel() == rows.size(0) &&
-                          scalars->is_contiguous(),
+    TORCH_CHECK_VALUE(scalar_offset % 4 == 0, "symmetric offsets must be aligned");
+    TORCH_CHECK_VALUE(scalars->is_cuda() && scalars->scalar_type() == at::kFloat &&
+                          scalars->numel() == peer_rank.numel() && scalars->is_contiguous(),
                       "scalars must be fp32 [capacity]");
   }
-  const c10::cuda::CUDAGuard guard(rows.device());
-  const int64_t capacity = rows.size(0);
+  const c10::cuda::CUDAGuard guard(peer_rank.device());
+  const int64_t capacity = peer_rank.numel();
   push_rows_kernel<<<grid_for(capacity), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const uint4*>(rows.data_ptr()), peer_base.data_ptr<int64_t>(), dst_offset,
-      peer_rank.data_ptr<int>(), peer_token.data_ptr<int>(), peer_k.data_ptr<int>(),
-      num_rows.data_ptr<int>(), static_cast<int>(topk),
-      scalars.has_value() ? scalars->data_ptr<float>() : nullptr, scalar_offset, capacity,
-      rows.size(1) / kVec);
+      rows.has_value() ? reinterpret_cast<const uint4*>(rows->data_ptr()) : nullptr,
+      peer_base.data_ptr<int64_t>(), dst_offset, peer_rank.data_ptr<int>(),
+      peer_token.data_ptr<int>(), peer_k.data_ptr<int>(), num_rows.data_ptr<int>(),
+      static_cast<int>(topk), scalars.has_value() ? scalars->data_ptr<float>() : nullptr,
+      scalar_offset, capacity, vecs_per_row);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

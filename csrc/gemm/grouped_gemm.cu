@@ -201,40 +201,52 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   }
 }
 
-void grouped_dgrad_swiglu_cuda(const at::Tensor& d_out, const at::Tensor& w2,
+void grouped_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
                                const at::Tensor& offsets, const at::Tensor& num_rows,
-                               const at::Tensor& h, const at::Tensor& d_h, int64_t max_ctas) {
-  check_bf16_cuda(d_out, "d_out", 2);
+                               const at::Tensor& h, const at::Tensor& d_h, int64_t max_ctas,
+                               const std::optional<at::Tensor>& row_w,
+                               const std::optional<at::Tensor>& dots_part,
+                               const std::optional<at::Tensor>& act_scaled) {
+  check_bf16_cuda(dy_rows, "dy_rows", 2);
   check_bf16_cuda(w2, "w2", 3);
   check_bf16_cuda(h, "h", 2);
   check_bf16_cuda(d_h, "d_h", 2);
-  const int64_t R = d_out.size(0), H = d_out.size(1), E = w2.size(0), I = w2.size(2);
+  const int64_t R = dy_rows.size(0), H = dy_rows.size(1), E = w2.size(0), I = w2.size(2);
   TORCH_CHECK(w2.size(1) == H, "megatron_mok: w2 must be [E, H, I]");
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   TORCH_CHECK(h.size(0) == R && h.size(1) == 2 * I && d_h.sizes() == h.sizes(),
               "megatron_mok: h and d_h must be [rows, 2I]");
-  c10::cuda::CUDAGuard guard(d_out.device());
+  c10::cuda::CUDAGuard guard(dy_rows.device());
   GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLU<1>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
+  const bool scaled = row_w.has_value();
+  TORCH_CHECK(dots_part.has_value() == scaled && act_scaled.has_value() == scaled,
+              "megatron_mok: row_w, dots_part and act_scaled go together");
+  if (scaled) {
+    check_row_scale_outputs(*row_w, *dots_part, *act_scaled, R, I, p.n_tiles, dy_rows.device());
+    p.row_scale = row_w->data_ptr<float>();
+    p.dots_part = dots_part->data_ptr<float>();
+    p.act_scaled = reinterpret_cast<__nv_bfloat16*>(act_scaled->data_ptr());
+  }
   // h through the operand ring (default), or read by the epilogue from global memory
   // (MOK_DGRAD_H=global, and always for clusters of 2): the same bits.
-  if (cluster_size() == 1 && h_through_ring() && pingpong()) {
+  if (cluster_size() == 1 && h_through_ring() && pingpong() && !scaled) {  // opt-in, unscaled
     GemmParams pp = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLUPing::BN);
     pp.h_in = p.h_in;
-    launch<CfgDgradSwiGLUPing, false, true, true>(pp, d_out, make_stride(H, _1{}), int(R),
+    launch<CfgDgradSwiGLUPing, false, true, true>(pp, dy_rows, make_stride(H, _1{}), int(R),
                                                   int(H), w2, make_stride(_1{}, I, H * I), int(I),
                                                   int(H), int(E), rows_view(d_h),
                                                   halves_view(d_h), max_ctas, &h);
     return;
   }
   if (cluster_size() == 1 && h_through_ring()) {
-    launch<CfgDgradSwiGLU<1>, false, true>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
+    launch<CfgDgradSwiGLU<1>, false, true>(p, dy_rows, make_stride(H, _1{}), int(R), int(H), w2,
                                            make_stride(_1{}, I, H * I), int(I), int(H), int(E),
                                            rows_view(d_h), halves_view(d_h), max_ctas, &h);
     return;
   }
   with_cluster<CfgDgradSwiGLU>([&](auto cfg) {
-    launch<decltype(cfg)>(p, d_out, make_stride(H, _1{}), int(R), int(H), w2,
+    launch<decltype(cfg)>(p, dy_rows, make_stride(H, _1{}), int(R), int(H), w2,
                           make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),
                           halves_view(d_h), max_ctas);
   });

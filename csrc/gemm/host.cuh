@@ -122,6 +122,26 @@ inline void check_bf16_cuda(const at::Tensor& t, const char* name, int64_t dim) 
               " must be 16-byte aligned");
 }
 
+// The fused dgrad + SwiGLU backward with the router weights applied in its epilogue:
+// row_w fp32 [rows], dots_part fp32 [rows, n_tiles] (one partial <d_act, act> per column
+// tile), act_scaled bf16 [rows, I], all contiguous on the operands' device.
+inline void check_row_scale_outputs(const at::Tensor& row_w, const at::Tensor& dots_part,
+                                    const at::Tensor& act_scaled, int64_t rows, int64_t inter,
+                                    int64_t n_tiles, const at::Device& device) {
+  TORCH_CHECK(row_w.is_cuda() && row_w.scalar_type() == at::kFloat && row_w.is_contiguous() &&
+                  row_w.numel() == rows && row_w.device() == device,
+              "megatron_mok: row_w must be a contiguous float32 [rows] tensor on the operands' device");
+  TORCH_CHECK(dots_part.is_cuda() && dots_part.scalar_type() == at::kFloat &&
+                  dots_part.is_contiguous() && dots_part.dim() == 2 && dots_part.size(0) == rows &&
+                  dots_part.size(1) == n_tiles && dots_part.device() == device,
+              "megatron_mok: dots_part must be a contiguous float32 [rows, ", n_tiles,
+              "] tensor on the operands' device");
+  check_bf16_cuda(act_scaled, "act_scaled", 2);
+  TORCH_CHECK(act_scaled.size(0) == rows && act_scaled.size(1) == inter &&
+                  act_scaled.device() == device,
+              "megatron_mok: act_scaled must be [rows, I] on the operands' device");
+}
+
 inline GemmParams rows_params(const at::Tensor& offsets, const at::Tensor& num_rows, int64_t rows,
                        int64_t n, int64_t k, int n_tile) {
   TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&

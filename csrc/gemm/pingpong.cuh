@@ -49,7 +49,8 @@ __device__ __forceinline__ void pingpong_epilogue(Storage& smem, EpilogueState& 
         }
       }
     }
-  } else {  // kSwiGLUBwd: acc = d_act; d_h = [d_gate, d_up] as planes of the h view
+  } else {  // kSwiGLUBwd: acc = d_act (A already scaled: no row_scale here); d_h = [d_gate,
+            // d_up] as planes of the h view
     Tensor mH = tma_h.get_tma_tensor(make_shape(p.rows_cap, p.N, 2));
     constexpr int kPer = CW / 2;
     CUTE_UNROLL
@@ -73,12 +74,8 @@ __device__ __forceinline__ void pingpong_epilogue(Storage& smem, EpilogueState& 
               const float gs[2] = {g2.x, g2.y}, us[2] = {u2.x, u2.y};
               CUTE_UNROLL
               for (int j = 0; j < 2; ++j) {
-                const float g = gs[j], u = us[j];
-                const float sig = 1.f / (1.f + __expf(-g));
-                float& d = accum(i + j + kAtom * m);
-                const float d_act = d;
-                dg[l + j] = d_act * u * sig * (1.f + g * (1.f - sig));
-                d = d_act * g * sig;
+                swiglu_bwd_value(accum(i + j + kAtom * m), dg[l + j], 1.f, gs[j], us[j],
+                                 sigmoid_fast(gs[j]));
               }
             }
           }

@@ -137,6 +137,13 @@ struct GemmParams {
                           // striding (CTA b takes b, b + grid, ...). Clusters use static.
   bool store_h;           // kSwiGLU: also store the pre-activations h (through tma_h)
   const __nv_bfloat16* h_in;  // kSwiGLUBwd: [rows, 2N]
+  // kSwiGLUBwd with the router weights applied in the epilogue (all three, or none: A is
+  // then already scaled): A holds unscaled dy rows, row_scale[r] is row r's router weight;
+  // d_act = w * acc, dots_part[r * n_tiles + n] = <acc, act> over column tile n (act =
+  // SwiGLU(h) recomputed), act_scaled[r, c] = w * act (dW2's operand).
+  const float* row_scale;
+  float* dots_part;
+  __nv_bfloat16* act_scaled;
   bool reverse_planes;    // kTokensAsK: expert e's output is plane num_experts - 1 - e
                           // (Megatron's grad buffer holds the experts' main_grads backwards)
 };
@@ -213,10 +220,19 @@ __device__ __forceinline__ Task decode_task(const GemmParams& p, int t, int rank
 }
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
+// The SwiGLU backward's sigmoid: the approximate reciprocal (MUFU.RCP and a multiply)
+// instead of the IEEE division's ~10 instructions and slow path; that epilogue is bound by
+// instruction issue (perf-notes, core v5). 1 / inf = 0 for very negative g, as it should.
+__device__ __forceinline__ float sigmoid_fast(float g) { return __fdividef(1.f, 1.f + __expf(-g)); }
 
 // CUTLASS's mbarrier wait/arrive asm has no "memory" clobber: without this the compiler
 // could move the task queue's plain smem access across them.
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
+// This thread's generic global writes -> later reads of them by the async proxy (TMA).
+__device__ __forceinline__ void fence_generic_to_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 
 __device__ __forceinline__ void warpgroup_bar_sync(int id) {
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
@@ -597,14 +613,14 @@ struct HFromRing {
   }
 };
 
-// kSwiGLUBwd, chunk q of a thread's accumulators: for each value l of the chunk, its d_act
-// d (the accumulator), the matching h pair (gate g, up u; zeros past N) and sigmoid(g),
-// handed to fn(l, d, g, u, sig) with d by reference. N = I is a multiple of 8, so a pair
+// kSwiGLUBwd, chunk q of a thread's accumulators: for each pair of adjacent values
+// (accumulator index i, chunk-local index l, half = which of the thread's two rows) the
+// matching h pairs (gate g, up u; zeros past N) and the global row r and column c of its
+// first value, handed to fn(i, l, half, r, c, g, u). N = I is a multiple of 8, so a pair
 // starting below N is whole.
-template <class Cfg, class Acc, class HSrc, class Fn>
+template <class Cfg, class HSrc, class Fn>
 __device__ __forceinline__ void swiglu_bwd_chunk(const EpilogueState& es, const Task& task,
-                                                 Acc& accum, int m0, int q, const HSrc& hsrc,
-                                                 Fn&& fn) {
+                                                 int m0, int q, const HSrc& hsrc, Fn&& fn) {
   constexpr int BN = Cfg::BN, CW = Cfg::kChunkCols;
   CUTE_UNROLL
   for (int jb = 0; jb < CW / 8; ++jb) {
@@ -612,16 +628,21 @@ __device__ __forceinline__ void swiglu_bwd_chunk(const EpilogueState& es, const 
     for (int half = 0; half < 2; ++half) {
       const int i = 4 * (q * (CW / 8) + jb) + 2 * half, l = 4 * jb + 2 * half;
       const int rl = 64 * es.wg + es.row_t + 8 * half, cl = es.col_t + 8 * jb;
+      const int c = task.n_tile * BN + q * CW + cl;
       float2 g, u;
-      hsrc.load(rl, cl, m0 + rl, task.n_tile * BN + q * CW + cl, g, u);
-      const float gs[2] = {g.x, g.y}, us[2] = {u.x, u.y};
-      CUTE_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        const float sig = 1.f / (1.f + __expf(-gs[j]));
-        fn(l + j, accum(i + j), gs[j], us[j], sig);
-      }
+      hsrc.load(rl, cl, m0 + rl, c, g, u);
+      fn(i, l, half, m0 + rl, c, g, u);
     }
   }
+}
+
+// The SwiGLU backward of one value: d_act (unscaled accumulator times the row's weight w)
+// -> d_gate, and d_up into the accumulator register it came from.
+__device__ __forceinline__ void swiglu_bwd_value(float& acc, float& d_gate, float w, float g,
+                                                 float u, float sig) {
+  const float d_act = w * acc;
+  d_gate = d_act * u * sig * (1.f + g * (1.f - sig));
+  acc = d_act * g * sig;
 }
 
 // The epilogue of one task for one consumer warpgroup, by Cfg::epi. Output views for the
@@ -679,30 +700,68 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
         }
       }
     }
-  } else {  // kSwiGLUBwd: acc = d_act; d_h = [d_gate, d_up] (planes of the h view)
+  } else {  // kSwiGLUBwd: d_act = w * acc; d_h = [d_gate, d_up] (planes of the h view)
     // Per chunk: d_gate into registers and d_up into the accumulator it came from (d_act is
     // spent once both are computed), then both staged like the other outputs. 32 values
     // live next to the accumulators and one sigmoid per value; holding d_gate and d_up apart
     // (64) spilled, and computing them in two passes doubled the epilogue's code, which
     // then missed the instruction cache (perf-notes, core v5).
+    // With row_scale (the router weights applied here, not in a pull of dy): the same pass
+    // recomputes act = silu(g) * u, sums <acc, act> per row (d_topk_w: <dy, y_row> without
+    // reading y rows) and stores w * act for dW2 straight from registers.
     constexpr int kPer = CW / 2;  // values of one chunk and plane held by a thread
+    const bool scaled = p.row_scale != nullptr;
+    float w[2] = {1.f, 1.f}, dot[2] = {0.f, 0.f};
+    if (scaled) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        w[half] = __ldcg(p.row_scale + m0 + 64 * es.wg + es.row_t + 8 * half);
+      }
+    }
     CUTE_UNROLL
     for (int q = 0; q < BN / CW; ++q) {
       if (task.n_tile * BN + q * CW < p.N) {
         const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
         float dg[kPer];
         hsrc.begin_chunk();
-        swiglu_bwd_chunk<Cfg>(es, task, accum, m0, q, hsrc, [&](int l, float& d, float g,
-                                                               float u, float sig) {
-          const float d_act = d;
-          dg[l] = d_act * u * sig * (1.f + g * (1.f - sig));
-          d = d_act * g * sig;
+        swiglu_bwd_chunk<Cfg>(es, task, m0, q, hsrc, [&](int i, int l, int half, int r, int c,
+                                                         float2 g, float2 u) {
+          const float sig0 = sigmoid_fast(g.x), sig1 = sigmoid_fast(g.y);
+          if (scaled) {
+            const float act0 = g.x * sig0 * u.x, act1 = g.y * sig1 * u.y;
+            dot[half] += accum(i) * act0;
+            dot[half] += accum(i + 1) * act1;
+            if (c < p.N) {
+              const __nv_bfloat162 a = __floats2bfloat162_rn(w[half] * act0, w[half] * act1);
+              *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) = a;
+            }
+          }
+          swiglu_bwd_value(accum(i), dg[l], w[half], g.x, u.x, sig0);
+          swiglu_bwd_value(accum(i + 1), dg[l + 1], w[half], g.y, u.y, sig1);
         });
         hsrc.end_chunk();
+        // act_scaled's generic stores -> a later TMA read of it in the same launch (the
+        // backward megakernel's dW2 tiles); ordered by emit_chunk's warpgroup barriers
+        // before the tile is published.
+        if (scaled) fence_generic_to_async_global();
         emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8),
                         [&](int i) { return make_float2(dg[i - base], dg[i - base + 1]); });
         emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 1, q * (CW / 8),
                         [&](int i) { return make_float2(accum(i), accum(i + 1)); });
+      }
+    }
+    if (scaled) {
+      // The 4 threads of a quad hold a row's columns: a butterfly gives each the same sum
+      // (a + b == b + a), one of them stores this column tile's partial.
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float s = dot[half];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (es.wg_thread % 4 == 0) {
+          const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
+          p.dots_part[int64_t(r) * p.n_tiles + task.n_tile] = s;
+        }
       }
     }
   }

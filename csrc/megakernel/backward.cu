@@ -22,17 +22,6 @@ using megakernel::BackwardParams;
 using CfgD = CfgDgradSwiGLU<1>;  // the core's fc2 dgrad + SwiGLU backward tiles
 using CfgX = CfgRowsNN<1>;       // the core's fc1 dgrad tiles (w1 read MN-major)
 
-// Phase 2's operands and outputs: dW2 [E, H, I] = d_out^T act, dW1 [E, 2I, H] = d_h^T
-// x_rows, written as bf16 or added into fp32 planes (main_grad; dense [M, N] planes,
-// 16-byte aligned apart), expert e's into plane E - 1 - e where reversed.
-struct WgradArgs {
-  const at::Tensor* act;
-  const at::Tensor* x_rows;
-  const at::Tensor* dw2;
-  const at::Tensor* dw1;
-  bool accumulate, reverse2, reverse1;
-};
-
 void check_wgrad_out(const at::Tensor& out, const char* name, int64_t E, int64_t M, int64_t N,
                      bool accumulate) {
   const auto dtype = accumulate ? at::kFloat : at::kBFloat16;
@@ -68,41 +57,39 @@ OutView planes_view(const at::Tensor& out) {
 }
 
 // dy_local / topk_w_local (EP = 1): this rank's; else the peers' arena at dy_offset /
-// w_offset. scatter (EP > 1): dx rows and dots into the owners' slots / d_topk_w slots.
+// w_offset. scatter (EP > 1): dx rows into the owners' slots.
 void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offset,
                   const std::optional<at::Tensor>& dy_local,
                   const std::optional<at::Tensor>& topk_w_local, int64_t topk,
                   const at::Tensor& peer_rank, const at::Tensor& peer_token,
                   const at::Tensor& peer_k, const at::Tensor& offsets, const at::Tensor& num_rows,
                   const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& h,
-                  const at::Tensor& y_rows, const at::Tensor& d_out, const at::Tensor& dots,
+                  const at::Tensor& dy_rows, const at::Tensor& row_w,
+                  const at::Tensor& dots_part, const at::Tensor& act_scaled,
                   const at::Tensor& d_h, const std::optional<at::Tensor>& dx_rows_opt,
                   const at::Tensor& counters,
                   const at::Tensor& watchdog, int64_t timeout_ms, int64_t rank,
                   int64_t minibatch_rows, bool scatter, int64_t slots_offset,
-                  int64_t dtopk_offset, int64_t hold_tile,
-                  const std::optional<at::Tensor>& act, const std::optional<at::Tensor>& x_rows,
+                  int64_t hold_tile, const std::optional<at::Tensor>& x_rows,
                   const std::optional<at::Tensor>& dw2, const std::optional<at::Tensor>& dw1,
                   bool accumulate, bool reverse2, bool reverse1) {
   TORCH_CHECK(dy_local.has_value() == topk_w_local.has_value(),
               "megatron_mok: pass dy and topk_w both local (EP = 1) or both through the arena");
-  TORCH_CHECK(dy_offset % 16 == 0 && w_offset % 4 == 0 && slots_offset % 16 == 0 &&
-                  dtopk_offset % 4 == 0,
+  TORCH_CHECK(dy_offset % 16 == 0 && w_offset % 4 == 0 && slots_offset % 16 == 0,
               "megatron_mok: symmetric offsets must be aligned (16 bytes for rows)");
   TORCH_CHECK(topk >= 1, "megatron_mok: topk must be positive");
   check_bf16_cuda(w1, "w1", 3);
   check_bf16_cuda(w2, "w2", 3);
   check_bf16_cuda(h, "h", 2);
-  check_bf16_cuda(y_rows, "y_rows", 2);
-  check_bf16_cuda(d_out, "d_out", 2);
+  check_bf16_cuda(dy_rows, "dy_rows", 2);
   check_bf16_cuda(d_h, "d_h", 2);
   // dx_rows: the fc1 dgrad rows at EP = 1; when scattering they go to the owners' slots and
-  // d_out (same shape) stands in for the unused TMA store view.
+  // dy_rows (same shape) stands in for the unused TMA store view.
   TORCH_CHECK(dx_rows_opt.has_value() || scatter,
               "megatron_mok: dx_rows is required unless the dx rows are scattered (EP > 1)");
-  const at::Tensor& dx_rows = dx_rows_opt.has_value() ? *dx_rows_opt : d_out;
+  const at::Tensor& dx_rows = dx_rows_opt.has_value() ? *dx_rows_opt : dy_rows;
   check_bf16_cuda(dx_rows, "dx_rows", 2);
-  const int64_t R = d_out.size(0), H = d_out.size(1), E = w1.size(0), I = w1.size(1) / 2;
+  const int64_t R = dy_rows.size(0), H = dy_rows.size(1), E = w1.size(0), I = w1.size(1) / 2;
   if (dy_local.has_value()) {
     check_bf16_cuda(*dy_local, "dy", 2);
     TORCH_CHECK(dy_local->size(1) == H, "megatron_mok: dy must be [T, H]");
@@ -116,12 +103,10 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
               "megatron_mok: w2 must be [E, H, I]");
   TORCH_CHECK(h.size(0) == R && h.size(1) == 2 * I && d_h.sizes() == h.sizes(),
               "megatron_mok: h and d_h must be [rows, 2I]");
-  TORCH_CHECK(y_rows.sizes() == d_out.sizes() && dx_rows.sizes() == d_out.sizes(),
-              "megatron_mok: y_rows, d_out and dx_rows must be [rows, H]");
+  TORCH_CHECK(dx_rows.sizes() == dy_rows.sizes(), "megatron_mok: dx_rows must be [rows, H]");
   TORCH_CHECK(R % 128 == 0, "megatron_mok: the row table must hold a multiple of 128 rows");
-  TORCH_CHECK(dots.is_cuda() && dots.scalar_type() == at::kFloat && dots.numel() == R &&
-                  dots.is_contiguous(),
-              "megatron_mok: dots must be a contiguous CUDA float32 tensor of rows entries");
+  check_row_scale_outputs(row_w, dots_part, act_scaled, R, I, (I + CfgD::BN - 1) / CfgD::BN,
+                          dy_rows.device());
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   for (auto [t, name] : {std::pair{&peer_rank, "peer_rank"}, {&peer_token, "peer_token"},
                          {&peer_k, "peer_k"}}) {
@@ -132,32 +117,32 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                                 megakernel::forward_counters_size(int(m_tiles)));
   megakernel::check_watchdog_and_peers(watchdog, peer_base);
   megakernel::check_minibatch_rows(minibatch_rows);
-  const bool with_wgrad = act.has_value();
-  TORCH_CHECK(x_rows.has_value() == with_wgrad && dw2.has_value() == with_wgrad &&
-                  dw1.has_value() == with_wgrad,
-              "megatron_mok: the weight gradients need act, x_rows, dw2 and dw1 together");
+  const bool with_wgrad = x_rows.has_value();
+  TORCH_CHECK(dw2.has_value() == with_wgrad && dw1.has_value() == with_wgrad,
+              "megatron_mok: the weight gradients need x_rows, dw2 and dw1 together");
   TORCH_CHECK(with_wgrad || (!accumulate && !reverse2 && !reverse1),
               "megatron_mok: accumulate / reverse apply to the weight gradients only");
   TORCH_CHECK(!(reverse2 || reverse1) || accumulate,
               "megatron_mok: reversed planes need accumulate (main_grad)");
   if (with_wgrad) {
-    check_bf16_cuda(*act, "act", 2);
     check_bf16_cuda(*x_rows, "x_rows", 2);
-    TORCH_CHECK(act->size(0) == R && act->size(1) == I, "megatron_mok: act must be [rows, I]");
     TORCH_CHECK(x_rows->size(0) == R && x_rows->size(1) == H,
                 "megatron_mok: x_rows must be [rows, H]");
     check_wgrad_out(*dw2, "dw2", E, H, I, accumulate);
     check_wgrad_out(*dw1, "dw1", E, 2 * I, H, accumulate);
-    for (const at::Tensor* t : {&*act, &*x_rows, &*dw2, &*dw1}) {
-      TORCH_CHECK(t->device() == d_out.device(), "megatron_mok: operands must be on one device");
+    for (const at::Tensor* t : {&*x_rows, &*dw2, &*dw1}) {
+      TORCH_CHECK(t->device() == dy_rows.device(), "megatron_mok: operands must be on one device");
     }
   }
-  c10::cuda::CUDAGuard guard(d_out.device());
-  const int sms = num_sms(d_out.get_device());
+  c10::cuda::CUDAGuard guard(dy_rows.device());
+  const int sms = num_sms(dy_rows.get_device());
 
   BackwardParams p{};
   p.dgrad = rows_params(offsets, num_rows, R, I, H, CfgD::BN);
   p.dgrad.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
+  p.dgrad.row_scale = row_w.data_ptr<float>();
+  p.dgrad.dots_part = dots_part.data_ptr<float>();
+  p.dgrad.act_scaled = reinterpret_cast<__nv_bfloat16*>(act_scaled.data_ptr());
   p.dx = rows_params(offsets, num_rows, R, H, 2 * I, CfgX::BN);
   p.dgrad_shapes = {int(R), int(H), int(I), int(H), int(E)};
   p.dx_shapes = {int(R), int(2 * I), int(H), int(2 * I), int(E)};
@@ -173,10 +158,8 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
   p.w_offset = w_offset;
   p.scatter = scatter;
   p.slots_offset = slots_offset;
-  p.dtopk_offset = dtopk_offset;
-  p.y_rows = reinterpret_cast<const uint4*>(y_rows.data_ptr());
-  p.d_out = reinterpret_cast<uint4*>(d_out.data_ptr());
-  p.dots = dots.data_ptr<float>();
+  p.dy_rows = reinterpret_cast<uint4*>(dy_rows.data_ptr());
+  p.row_w = row_w.data_ptr<float>();
   p.topk = int(topk);
   p.row_vecs = int(H / 8);
   p.dog = {watchdog.data_ptr<int64_t>(), timeout_ms * 1000000, int(rank)};
@@ -191,8 +174,8 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
 
   // The same operand views as the core's launches (grouped_gemm.cu): dgrad_swiglu and
   // rows_matmul(w_transposed=True).
-  make_context_current(d_out);
-  auto tma_dout = make_load_a<CfgD>(d_out, make_stride(H, _1{}), int(R), int(H));
+  make_context_current(dy_rows);
+  auto tma_dout = make_load_a<CfgD>(dy_rows, make_stride(H, _1{}), int(R), int(H));
   auto tma_w2 = make_load_b<CfgD>(w2, make_stride(_1{}, I, H * I), int(I), int(H), int(E));
   auto tma_dh = make_store_atom<CfgD>(rows_view(d_h));
   auto tma_dh_halves = make_store_atom<CfgD>(halves_view(d_h));
@@ -225,9 +208,9 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
   auto with_cfg = [&](auto cfg_w, auto reduce) {
     using CfgW = decltype(cfg_w);
     constexpr bool kReduce = decltype(reduce)::value;
-    auto a2 = make_load_a<CfgW>(d_out, make_stride(_1{}, H), int(H), int(R));
+    auto a2 = make_load_a<CfgW>(dy_rows, make_stride(_1{}, H), int(H), int(R));
     auto a1 = make_load_a<CfgW>(d_h, make_stride(_1{}, 2 * I), int(2 * I), int(R));
-    auto b2 = make_load_b<CfgW>(*act, make_stride(_1{}, I, I * R), int(I), int(R), 1);
+    auto b2 = make_load_b<CfgW>(act_scaled, make_stride(_1{}, I, I * R), int(I), int(R), 1);
     auto b1 = make_load_b<CfgW>(*x_rows, make_stride(_1{}, H, H * R), int(H), int(R), 1);
     auto o2 = make_store_atom<CfgW, kReduce>(planes_view(*dw2));
     auto o1 = make_store_atom<CfgW, kReduce>(planes_view(*dw1));

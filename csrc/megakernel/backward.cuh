@@ -1,8 +1,10 @@
 // The backward megakernel, dgrad half (issue 6; docs/megakernel.md, "Backward megakernel"):
 // one persistent launch runs the routed experts' data gradients of a layer at EP = 1:
 //
-//   pull dy rows scaled by their router weight (+ <dy, y_row> per route, for d_topk_w)
-//     -> fc2 dgrad with the SwiGLU backward in its epilogue (d_h, from the saved h)
+//   pull dy rows and their router weights
+//     -> fc2 dgrad with the router weight and the SwiGLU backward in its epilogue (d_h from
+//        the saved h; the partial <dy, y_row> per column tile for d_topk_w and w * act for
+//        dW2, from act recomputed there)
 //     -> fc1 dgrad (dx rows, read in place by the combine)
 //
 // Same machinery as the forward's spread mode (forward.cuh): producer warps 1..3 of every
@@ -12,22 +14,20 @@
 // consumer warpgroups run the grouped-GEMM core's CfgDgradSwiGLU and CfgRowsNN tiles
 // (one shared-memory layout: A K-major, B MN-major, BN = 256) and publish d_h halves.
 // With kWgrad, the weight gradients follow in the same launch (phase 2): once every dgrad
-// task has been drawn, the task counter hands out the core's wgrad tiles (dW2[e] = d_out_e^T
-// act_e, then dW1[e] = d_h_e^T x_rows_e), each waiting (acquire) only for its expert's row
-// tiles: pulled (dW2) or d_h finished (dW1). They run on the same ring and barriers (the
+// task has been drawn, the task counter hands out the core's wgrad tiles (dW2[e] =
+// dy_rows_e^T act_scaled_e, then dW1[e] = d_h_e^T x_rows_e), each waiting (acquire) only for
+// its expert's row tiles' fc2-dgrad epilogues (they write d_h and act_scaled). They run on the same ring and barriers (the
 // wgrad configuration's shared memory has the same byte layout), stored as bf16 or added
 // into fp32 planes (Megatron's main_grad) by TMA reduce-add, one owner per tile and the
 // row-table order as K: the bits of the core's wgrad launches.
 //
-// Every output has one owner and a fixed order: the pulled rows and the dots are computed
-// exactly as ops.pull_rows computes them (comm/row_math.cuh's scale8 and dot8, and 256
-// virtual threads' partial sums reduced in its order), the tiles as the core's launches
-// compute them, so d_out, dots, d_h and dx rows are bitwise those of the launch chain and
-// independent of the minibatch and the grid. Counters start at zero and the last CTA
+// Every output has one owner and a fixed order: the pulled rows and weights are copies (as
+// ops.pull_rows makes them), the tiles are computed as the core's launches compute them, so
+// dy_rows, row_w, dots_part, act_scaled, d_h and dx rows are bitwise those of the launch
+// chain and independent of the minibatch and the grid. Counters start at zero and the last CTA
 // zeroes them (stream order).
 #pragma once
 
-#include "comm/row_math.cuh"
 #include "gemm/tile.cuh"
 #include "megakernel/counters.cuh"
 #include "megakernel/forward.cuh"
@@ -35,7 +35,8 @@
 namespace megatron_mok::megakernel {
 
 struct BackwardParams {
-  gemm::GemmParams dgrad;  // d_h = SwiGLU'(h) * (d_out @ w2[e]): N = I, K = H (h_in = h)
+  gemm::GemmParams dgrad;  // d_h = SwiGLU'(h) * w * (dy_rows @ w2[e]): N = I, K = H (h_in = h,
+                           // row_scale = row_w, dots_part, act_scaled)
   gemm::GemmParams dx;     // dx_rows = d_h @ w1[e]: N = H, K = 2I
   gemm::OperandShapes dgrad_shapes, dx_shapes;
   int mb_tiles;            // row tiles per minibatch
@@ -52,24 +53,24 @@ struct BackwardParams {
   const float* topk_w;     // [T, topk]
   const int64_t* peer_base;
   int64_t dy_offset, w_offset;
-  // scatter (EP > 1): dx rows and dots go to their owners' (token, k) slots and d_topk_w
-  // slots, as push_rows does; otherwise dx rows stay in place (EP = 1 combine_rows).
+  // scatter (EP > 1): dx rows go to their owners' (token, k) slots, as push_rows does
+  // (d_topk_w follows from dots_part after the launch); otherwise dx rows stay in place
+  // (EP = 1 combine_rows).
   bool scatter;
-  int64_t slots_offset, dtopk_offset;
-  const uint4* y_rows;     // [rows, H] the forward's expert rows (dots)
-  uint4* d_out;            // [rows, H] dy rows scaled by their router weight (A of fc2 dgrad)
-  float* dots;             // [rows] <dy[token], y_rows[j]>
+  int64_t slots_offset;
+  uint4* dy_rows;          // [rows, H] dy rows, unscaled (A of fc2 dgrad, of dW2)
+  float* row_w;            // [rows] their router weights (0: padding)
   int topk;
   int row_vecs;            // H / 8
   Watchdog dog;
   int hold_tile;           // tests: the tile's last row is never published (-1: none)
-  // Phase 2 (kWgrad): dW2 = d_out^T act (M = H, N = I), dW1 = d_h^T x_rows (M = 2I, N = H),
+  // Phase 2 (kWgrad): dW2 = dy_rows^T act_scaled (M = H, N = I), dW1 = d_h^T x_rows (M = 2I, N = H),
   // tokens as K; num_tasks 0 when the launch has no phase 2.
   gemm::GemmParams wgrad2, wgrad1;
   gemm::OperandShapes wgrad2_shapes, wgrad1_shapes;
 };
 
-// Phase 2's TMA atoms: [0] dW2 (A = d_out, B = act), [1] dW1 (A = d_h, B = x_rows), both
+// Phase 2's TMA atoms: [0] dW2 (A = dy_rows, B = act_scaled), [1] dW1 (A = d_h, B = x_rows), both
 // operands MN-major; the two GEMMs' atoms have one type each.
 template <class TmaA, class TmaB, class TmaO>
 struct WgradTmas {
@@ -86,86 +87,50 @@ __device__ __forceinline__ int* dh_counter(const BackwardParams& p, int m) {
   return p.counters + kCounterHeader + p.dgrad.m_tiles + m;
 }
 
-// pull_rows runs a row on 256 threads: thread i sums the dots of vectors i, i + 256, ...
-// in order, each warp reduces with an xor butterfly and thread 0 adds the 8 warp sums in
-// order. One warp reproduces that, kVirtualGroup virtual warps q at a time: lane l sums the
-// vectors of virtual thread 32 q + l in order (their loads issued together), the butterfly
-// leaves the same bits in every lane (a + b == b + a), and the 8 sums are added in order.
-// Each vector is read once and its scaled copy written in the same pass. (Eight partial
-// sums at once, or four with their loads, spill the producer's 56 registers; two do not.)
-constexpr int kPullVirtualWarps = 8;  // pull_rows' 256 threads
-constexpr int kVirtualGroup = 2;      // virtual warps per pass: 2 dy + 2 y vectors in flight
-
+// One row of the table by one warp: the dy row copied (zeros for padding) and its router
+// weight (0 for padding), as ops.pull_rows writes them.
 __device__ __forceinline__ void backward_pull_row(const BackwardParams& p, int64_t j, int lane) {
   const int n = p.row_vecs;
-  uint4* dst = p.d_out + j * n;
+  uint4* dst = p.dy_rows + j * n;
   const int rank = __ldg(p.peer_rank + j);
-  if (rank < 0) {  // padding row: zeros for the GEMMs, dot 0
+  if (rank < 0) {
     for (int v = lane; v < n; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-    if (lane == 0) p.dots[j] = 0.f;
+    if (lane == 0) p.row_w[j] = 0.f;
     return;
   }
   const int64_t token = __ldg(p.peer_token + j);
   const int64_t route = token * p.topk + __ldg(p.peer_k + j);
-  const float w = p.topk_w != nullptr ? __ldg(p.topk_w + route)
-                                      : peer_ptr<const float>(p.peer_base, rank, p.w_offset)[route];
   const uint4* src = (p.dy != nullptr ? p.dy
                                       : peer_ptr<const uint4>(p.peer_base, rank, p.dy_offset)) +
                      token * n;
-  const uint4* saved = p.y_rows + j * n;
-  constexpr int kStride = 32 * kPullVirtualWarps;  // pull_rows' thread count
-  float total = 0.f;
-#pragma unroll 1
-  for (int q0 = 0; q0 < kPullVirtualWarps; q0 += kVirtualGroup) {
-    float part[kVirtualGroup];
-#pragma unroll
-    for (int g = 0; g < kVirtualGroup; ++g) part[g] = 0.f;
-#pragma unroll 1
-    for (int base = 32 * q0 + lane; base < n; base += kStride) {
-      uint4 a[kVirtualGroup], b[kVirtualGroup];
-#pragma unroll
-      for (int g = 0; g < kVirtualGroup; ++g) {
-        const int v = base + 32 * g;
-        if (v < n) {
-          a[g] = __ldg(src + v);
-          b[g] = __ldg(saved + v);
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < kVirtualGroup; ++g) {
-        const int v = base + 32 * g;
-        if (v < n) {
-          part[g] += row_math::dot8(a[g], b[g]);
-          dst[v] = row_math::scale8(a[g], w);
-        }
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < kVirtualGroup; ++g) {
-      float s = part[g];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      total += s;
-    }
-  }
   if (lane == 0) {
-    p.dots[j] = total;
-    // EP > 1: into the owner's d_topk_w slot, as push_rows' scalars (read after the barrier).
-    if (p.scatter) peer_ptr<float>(p.peer_base, rank, p.dtopk_offset)[route] = total;
+    p.row_w[j] = p.topk_w != nullptr ? __ldg(p.topk_w + route)
+                                     : peer_ptr<const float>(p.peer_base, rank, p.w_offset)[route];
+  }
+  constexpr int kInFlight = 4;  // 16-byte vectors per lane in flight
+#pragma unroll 1
+  for (int base = lane; base < n; base += 32 * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int g = 0; g < kInFlight; ++g) {
+      if (base + 32 * g < n) v[g] = __ldg(src + base + 32 * g);
+    }
+#pragma unroll
+    for (int g = 0; g < kInFlight; ++g) {
+      if (base + 32 * g < n) dst[base + 32 * g] = v[g];
+    }
   }
 }
 
 // Producer warps 1..3 of every CTA: rows g, g + G, ... of the table (G = 3 x #CTAs), each
 // published on its own once its stores are fenced for the TMA loads of fc2 dgrad.
 //
-// A mover warp keeps only 2 dy and 2 y vectors per lane in flight (56 registers), so
-// without help each row costs ~6 dependent DRAM round trips (table entries, router
-// weight, four passes of loads): measured at 1792cfb, the layer backward was 21 % slower
-// than the launch chain on qwen3-30b-a3b. So while row j is worked on, lane 0 asks L2 for
-// the next row's dy and y rows (bulk prefetch: no data registers held; the next token is
-// carried across iterations) and loads the table entries of the row after it; the row's
-// loads then hit L2. The data and the order of the
-// arithmetic are untouched: the same bits.
+// A mover warp keeps few vectors per lane in flight (56 registers), so without help each
+// row costs several dependent DRAM round trips (table entries, router weight, passes of
+// loads): measured at 1792cfb, the layer backward was 21 % slower than the launch chain on
+// qwen3-30b-a3b. So while row j is worked on, lane 0 asks L2 for the next row's dy row
+// (bulk prefetch: no data registers held; the next token is carried across iterations)
+// and loads the table entries of the row after it; the row's loads then hit L2.
 __device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_tiles,
                                               int mover, int movers_per_cta) {
   const int lane = threadIdx.x % 32;
@@ -180,7 +145,6 @@ __device__ __forceinline__ void backward_pull(const BackwardParams& p, int used_
   for (int64_t j = first; j < rows; j += movers) {
     if (lane == 0 && j + movers < rows) {
       if (next_token >= 0) {  // padding rows read nothing
-        bulk_prefetch_l2(p.y_rows + (j + movers) * p.row_vecs, uint32_t(p.row_vecs) * 16u);
         // EP = 1 only: the peers' dy is read over NVLink, not through this L2.
         if (p.dy != nullptr) {
           bulk_prefetch_l2(p.dy + int64_t(next_token) * p.row_vecs, uint32_t(p.row_vecs) * 16u);
@@ -295,8 +259,9 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
             bool second;
             const gemm::Task task = decode_wgrad_task<CfgW>(p, t - num_tasks, second);
             if (task.k_begin >= task.k_end) continue;  // no rows: the epilogue stores zeros
-            // The expert's row tiles (segments start on 128-row boundaries): d_out rows
-            // pulled for dW2, d_h finished for dW1. Every dgrad task has been drawn by now,
+            // The expert's row tiles (segments start on 128-row boundaries): their fc2-dgrad
+            // epilogues done (d_h for dW1, act_scaled for dW2, whose dy rows were pulled
+            // before them). Every dgrad task has been drawn by now,
             // by CTAs that finish it without waiting on phase 2: no deadlock. Tasks come
             // expert by expert, so this thread checks an expert once: the acquire loads
             // are serial L2 round trips (16 per deepseek-v3 expert) that would otherwise
@@ -305,11 +270,7 @@ moe_backward_kernel(const __grid_constant__ BackwardParams p,
             if (task.expert != ready_expert[second]) {
               const int m_end = (task.k_end * CfgW::BK + 127) / 128;
               for (int m = task.k_begin * CfgW::BK / 128; m < m_end; ++m) {
-                if (second) {
-                  wait_counter(dh_counter(p, m), dh_target, p.dog, kWaitDhDone, m);
-                } else {
-                  wait_counter(bwd_pulled_counter(p, m), 128, p.dog, kWaitDyPulled, m);
-                }
+                wait_counter(dh_counter(p, m), dh_target, p.dog, kWaitDhDone, m);
               }
               fence_proxy_async_global();
               ready_expert[second] = task.expert;

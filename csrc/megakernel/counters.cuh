@@ -46,7 +46,7 @@ __device__ __forceinline__ void bulk_store_wait_all() {
 enum WaitWhat : int64_t {
   kWaitRowsPulled = 2, kWaitFc1Done = 3, kWaitFc2Done = 4,
   kWaitRingFree = 5,  // a comm CTA's pull: the ring tile's previous rows not yet read by fc1
-  kWaitDyPulled = 6,  // backward: a fc2-dgrad tile waits for its scaled dy rows
+  kWaitDyPulled = 6,  // backward: a fc2-dgrad tile waits for its dy rows
   kWaitDhDone = 7     // backward: a fc1-dgrad tile waits for its row tile's d_h
 };
 

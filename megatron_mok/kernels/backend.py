@@ -8,9 +8,10 @@ measured it fastest (megatron_mok.kernels.autotune), the steps from pull to push
 launch, the forward megakernel (megatron_mok.kernels.megakernel); MOK_FORWARD=launches keeps
 this chain.
 
-Backward: publish dy and the router weights -> barrier -> pull dy rows scaled by
-their router weight (and <dy, y_tk> per route, for d_topk_w) -> fc2 dgrad ->
-SwiGLU backward -> fc1 dgrad -> push dx rows and d_topk_w into the owners' slots ->
+Backward: publish dy and the router weights -> barrier -> pull dy rows and their
+router weights -> fc2 dgrad with the weight and the SwiGLU backward in its epilogue (which
+also gives <dy, y_tk> per route for d_topk_w, from SwiGLU(h) recomputed: no y rows are kept,
+and w * act for dW2) -> fc1 dgrad -> push dx rows and d_topk_w into the owners' slots ->
 weight gradients (one grouped GEMM per weight, tokens as K in row-table order) ->
 barrier -> dx = shared dx + sum_k slots in fp32. With MOK_BACKWARD=megakernel (opt-in,
 or an autotuned plan) the steps from pull to the dx rows run as one launch, the backward
@@ -122,9 +123,9 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         slots = arena.view("slots").view(num_tokens, topk, hidden)
         y = ops.combine_epilogue(slots, topk_idx, topk_w.detach(), shared_y)
     saved = None
-    if keep_ctx:
-        saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h, act,
-                            y_rows, shared_out, shared_leaves, x.detach(), route_row, config)
+    if keep_ctx:  # act and y_rows are not kept: the backward recomputes what it needs from h
+        saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h,
+                            shared_out, shared_leaves, x.detach(), route_row, config)
     return y, saved
 
 
@@ -145,6 +146,25 @@ def zero_dropped_routes(ws: MoKWorkspace, sched: MoKSchedule) -> None:
     arena = ws.arena
     ops.zero_dropped_routes(arena.peer_base, arena.offset("slots"), arena.offset("d_topk_w"),
                             sched.dropped, ws.num_tokens, ws.topk, ws.hidden_size)
+
+
+def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,
+                   fused: bool, minibatch_rows: int,
+                   wgrad: Optional[megakernel.WgradTargets] = None) -> megakernel.DataGradients:
+    """The routed experts' data gradients after the backward's barrier: the backward
+    megakernel (`fused`; at EP > 1 it writes the dx rows into the owners' slots itself) or
+    the launch chain (pull dy rows and weights from the published arena, fc2 dgrad + SwiGLU
+    backward, fc1 dgrad). The same bits either way."""
+    if fused:
+        return megakernel.moe_backward(ws, sched, dy.contiguous(), saved.topk_w,
+                                       saved.w1.contiguous(), saved.w2.contiguous(), saved.h,
+                                       minibatch_rows=minibatch_rows, wgrad=wgrad)
+    arena = ws.arena
+    dy_rows = dy.new_empty(ws.capacity, dy.shape[1])
+    row_w = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
+    ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, dy_rows,
+                  w_offset=arena.offset("topk_w"), row_w=row_w)
+    return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:])
 
 
 def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,
@@ -172,35 +192,24 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
     arena.barrier()
     zero_dropped_routes(ws, sched)
-    offs = sched.expert_offsets[1:]
     if saved.x_rows is None:  # the direct megakernel gathered x on the fly
         saved.x_rows = gather_rows(saved.x, sched)
     wgrad = fused_wgrad_targets(saved, acc1, acc2) if fused else None
-    if fused:
-        d_out, dots, d_h, dx_rows = megakernel.moe_backward(
-            ws, sched, dy.contiguous(), saved.topk_w, saved.w1.contiguous(),
-            saved.w2.contiguous(), saved.h, saved.y_rows, minibatch_rows=plan.minibatch_rows,
-            wgrad=wgrad)
-    else:
-        d_out = dy.new_empty(ws.capacity, hidden)
-        dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
-        ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, topk, d_out,
-                      w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
-    if not fused:
-        d_h, dx_rows = dgrad_launches(core, sched, saved, d_out, offs)
-    if saved.route_row is None and not fused:  # the megakernel wrote the slots itself
-        ops.push_rows(dx_rows, arena.peer_base, arena.offset("slots"), sched, topk,
-                      scalars=dots, scalar_offset=arena.offset("d_topk_w"))
+    grads = data_gradients(ws, sched, saved, dy, fused, plan.minibatch_rows, wgrad)
+    dots = grads.dots()
+    if saved.route_row is None:  # EP > 1: d_topk_w (and the chain's dx rows) to the owners
+        ops.push_rows(None if fused else grads.dx_rows, arena.peer_base, arena.offset("slots"),
+                      sched, topk, scalars=dots, scalar_offset=arena.offset("d_topk_w"))
     if wgrad is None:
-        dw2 = weight_grad(core, d_out, saved.act, sched, saved.w2, acc2)
-        dw1 = weight_grad(core, d_h, saved.x_rows, sched, saved.w1, acc1)
+        dw2 = weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, acc2)
+        dw1 = weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, acc1)
     elif wgrad.accumulate:  # phase 2 added them into the main_grads
         dw2, dw1 = acc2.finish(saved.w2), acc1.finish(saved.w1)
     else:
         dw2, dw1 = wgrad.dw2, wgrad.dw1
     arena.barrier()
     if saved.route_row is not None:  # EP = 1, rows read in place
-        dx = ops.combine_rows(dx_rows, saved.route_row, ws.unit_weights(), d_shared[0])
+        dx = ops.combine_rows(grads.dx_rows, saved.route_row, ws.unit_weights(), d_shared[0])
         # d_topk_w[t, k] = dots[row of (t, k)], 0 without a row: route_row -1 picks the
         # padded 0 at the end (two ops instead of five; the same bits).
         d_topk_w = F.pad(dots, (0, 1))[saved.route_row]

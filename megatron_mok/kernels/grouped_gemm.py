@@ -10,6 +10,8 @@ outputs, read the counts on the device and never synchronise with the host.
     rows_matmul(a, w)             a @ w[e]^T  (w [E, N, K])   fc2 forward
     rows_matmul(a, w, True)       a @ w[e]    (w [E, K, N])   fc1 dgrad
     dgrad_swiglu(d_out, w2, h)    d_h = SwiGLU'(h) * (d_out @ w2[e])   fc2 dgrad + SwiGLU bwd
+    dgrad_swiglu_routed(dy_rows, row_w, w2, h)   the same with d_out = row_w * dy_rows, also
+                                  <dy_rows @ w2[e], act> per column tile and row_w * act
     wgrad(a, b)                   out[e] = a[rows of e]^T @ b[rows of e]   weight gradients
 
 Each output tile has one owner CTA and a fixed K order, so results are bitwise
@@ -25,6 +27,12 @@ import torch
 from megatron_mok.kernels import ops
 
 ROW_TILE = 128
+DGRAD_COL_TILE = 256  # columns of I per fc2-dgrad tile (CfgDgradSwiGLU::BN)
+
+
+def dgrad_col_tiles(inter: int) -> int:
+    """Column tiles of fc2's dgrad, i.e. <dy, y_row> partials per row."""
+    return -(-inter // DGRAD_COL_TILE)
 
 
 def available() -> bool:
@@ -124,10 +132,8 @@ def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     return out
 
 
-def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
-                 expert_offsets: torch.Tensor, num_rows: torch.Tensor, *, max_ctas: int = 0
-                 ) -> torch.Tensor:
-    """d_h [rows, 2I]: d_act = d_out @ w2[e] in fp32, then the SwiGLU backward at h."""
+def _check_dgrad(d_out, w2, h, expert_offsets, num_rows) -> int:
+    """The shared checks of the fused fc2 dgrad + SwiGLU backward; returns I."""
     _check("d_out", d_out, 2)
     _check("w2", w2, 3)
     _check("h", h, 2)
@@ -140,10 +146,41 @@ def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
     _check_table(rows, expert_offsets, w2.shape[0], num_rows)
     check_multiple_of_8(hidden=hidden, inter=inter)
     _check_cuda(d_out=d_out, w2=w2, h=h, expert_offsets=expert_offsets, num_rows=num_rows)
+    return inter
+
+
+def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
+                 expert_offsets: torch.Tensor, num_rows: torch.Tensor, *, max_ctas: int = 0
+                 ) -> torch.Tensor:
+    """d_h [rows, 2I]: d_act = d_out @ w2[e] in fp32, then the SwiGLU backward at h."""
+    _check_dgrad(d_out, w2, h, expert_offsets, num_rows)
     d_h = torch.empty_like(h)
     torch.ops.megatron_mok.grouped_dgrad_swiglu(d_out, w2, expert_offsets, num_rows, h, d_h,
                                                 max_ctas)
     return d_h
+
+
+def dgrad_swiglu_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Tensor,
+                        h: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
+                        *, max_ctas: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_h, dots_part, act_scaled) with the router weights applied in the epilogue: acc =
+    dy_rows @ w2[e] (fp32), d_act = row_w * acc, d_h the SwiGLU backward at h; dots_part
+    [rows, dgrad_col_tiles(I)] fp32 = <acc, act> over each column tile (act = SwiGLU(h)
+    recomputed; their sum is <dy, y_row>, the router weight's gradient, without reading y
+    rows); act_scaled [rows, I] = row_w * act (dW2 = dy_rows^T act_scaled)."""
+    inter = _check_dgrad(dy_rows, w2, h, expert_offsets, num_rows)
+    if row_w.dtype != torch.float32 or tuple(row_w.shape) != (dy_rows.shape[0],):
+        raise ValueError(f"megatron_mok: row_w must be float32 [{dy_rows.shape[0]}], got "
+                         f"{row_w.dtype} {tuple(row_w.shape)}")
+    _check_cuda(dy_rows=dy_rows, row_w=row_w)
+    rows = dy_rows.shape[0]
+    d_h = torch.empty_like(h)
+    dots_part = torch.empty(rows, dgrad_col_tiles(inter), dtype=torch.float32,
+                            device=dy_rows.device)
+    act_scaled = dy_rows.new_empty(rows, inter)
+    torch.ops.megatron_mok.grouped_dgrad_swiglu(dy_rows, w2, expert_offsets, num_rows, h, d_h,
+                                                max_ctas, row_w, dots_part, act_scaled)
+    return d_h, dots_part, act_scaled
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,

@@ -51,9 +51,8 @@ class KernelSaved:
     w1: torch.Tensor
     w2: torch.Tensor
     x_rows: torch.Tensor       # [capacity, H] routed tokens, row-table order
-    h: torch.Tensor            # [capacity, 2I] fc1 output (gate; up)
-    act: torch.Tensor          # [capacity, I] SwiGLU output
-    y_rows: torch.Tensor       # [capacity, H] expert output rows
+    h: torch.Tensor            # [capacity, 2I] fc1 output (gate; up); the backward
+                               # recomputes SwiGLU(h) (no act or y rows are kept)
     shared_out: Optional[torch.Tensor]
     shared_leaves: Optional[tuple]
     x: Optional[torch.Tensor] = None  # EP = 1 direct megakernel: x_rows is gathered again
@@ -70,19 +69,24 @@ def gather_rows(x: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
 
 
 
-def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, d_out: torch.Tensor,
-                    offs: torch.Tensor):
-    """v1: fc2 dgrad + SwiGLU backward, then fc1 dgrad, as separate launches: (d_h, dx_rows)."""
+def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: torch.Tensor,
+                   row_w: torch.Tensor, offs: torch.Tensor) -> megakernel.DataGradients:
+    """v1: fc2 dgrad with the router weights and the SwiGLU backward, then fc1 dgrad, as
+    separate launches, from the pulled dy rows and their weights."""
     if core == "mok":
-        d_h = grouped_gemm.dgrad_swiglu(d_out, saved.w2, saved.h, sched.expert_offsets,
-                                        sched.num_rows)
+        d_h, dots_part, act_scaled = grouped_gemm.dgrad_swiglu_routed(
+            dy_rows, row_w, saved.w2, saved.h, sched.expert_offsets, sched.num_rows)
         dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
                                            w_transposed=True)
     else:
-        d_act = torch._grouped_mm(d_out, saved.w2, offs=offs)
-        d_h = swiglu_backward(saved.h, d_act).to(saved.h.dtype)
+        acc = torch._grouped_mm(dy_rows, saved.w2, offs=offs).float()
+        act = swiglu(saved.h)
+        dots_part = (acc * act).sum(1, keepdim=True)
+        w = row_w.unsqueeze(1)
+        d_h = swiglu_backward(saved.h, w * acc).to(saved.h.dtype)
+        act_scaled = (w * act).to(dy_rows.dtype)
         dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
-    return d_h, dx_rows
+    return megakernel.DataGradients(dy_rows, row_w, dots_part, act_scaled, d_h, dx_rows)
 
 
 def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool,
@@ -151,12 +155,12 @@ def fused_wgrad_targets(saved: KernelSaved, acc1, acc2):
     if acc1 is None and acc2 is None:
         experts, two_inter, hidden = saved.w1.shape
         return megakernel.WgradTargets(
-            saved.act, saved.x_rows, saved.w2.new_empty(experts, hidden, two_inter // 2),
+            saved.x_rows, saved.w2.new_empty(experts, hidden, two_inter // 2),
             saved.w1.new_empty(experts, two_inter, hidden))
     if acc1 is None or acc2 is None or acc1.fused_target is None or acc2.fused_target is None:
         return None
     (planes1, reverse1), (planes2, reverse2) = acc1.fused_target, acc2.fused_target
-    return megakernel.WgradTargets(saved.act, saved.x_rows, planes2, planes1, accumulate=True,
+    return megakernel.WgradTargets(saved.x_rows, planes2, planes1, accumulate=True,
                                    reverse2=reverse2, reverse1=reverse1)
 
 

@@ -17,7 +17,7 @@ a path explicitly, and a cached autotune plan overrides the default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -155,11 +155,11 @@ def backward_runnable(ws, dtype: torch.dtype, in_place: bool) -> bool:
 
 @dataclass
 class WgradTargets:
-    """The backward megakernel's phase 2: dw2 [E, H, I] = d_out^T act and dw1 [E, 2I, H] =
-    d_h^T x_rows per expert (tokens in row-table order), bf16 outputs written, or fp32
-    planes (Megatron's main_grad: dense [M, N] planes, 16-byte aligned apart) added into
-    with `accumulate`; reverse2 / reverse1: expert e's into plane E - 1 - e."""
-    act: torch.Tensor
+    """The backward megakernel's phase 2: dw2 [E, H, I] = dy_rows^T act_scaled and dw1
+    [E, 2I, H] = d_h^T x_rows per expert (tokens in row-table order; dy_rows and act_scaled
+    are the launch's own outputs), bf16 outputs written, or fp32 planes (Megatron's
+    main_grad: dense [M, N] planes, 16-byte aligned apart) added into with `accumulate`;
+    reverse2 / reverse1: expert e's into plane E - 1 - e."""
     x_rows: torch.Tensor
     dw2: torch.Tensor
     dw1: torch.Tensor
@@ -174,8 +174,7 @@ class WgradTargets:
         if (self.reverse2 or self.reverse1) and not self.accumulate:
             raise ValueError("megatron_mok: reversed planes need accumulate (main_grad)")
         out_dtype = torch.float32 if self.accumulate else torch.bfloat16
-        tensors = (("act", self.act, (rows, inter), torch.bfloat16),
-                   ("x_rows", self.x_rows, (rows, hidden), torch.bfloat16),
+        tensors = (("x_rows", self.x_rows, (rows, hidden), torch.bfloat16),
                    ("dw2", self.dw2, (experts, hidden, inter), out_dtype),
                    ("dw1", self.dw1, (experts, 2 * inter, hidden), out_dtype))
         for name, t, shape, dtype in tensors:
@@ -189,7 +188,7 @@ class WgradTargets:
             if not t.is_cuda or (device is not None and t.device != device):
                 raise ValueError(f"megatron_mok: {name} must be on {device or 'a CUDA device'}, "
                                  f"got {t.device}")
-            rows_operand = name in ("act", "x_rows")
+            rows_operand = name == "x_rows"
             dense = t.is_contiguous() if rows_operand else grouped_gemm.planes_accumulable(t)
             if not dense or t.data_ptr() % 16:
                 layout = "contiguous" if rows_operand else "dense [M, N] planes 16 bytes apart"
@@ -197,55 +196,78 @@ class WgradTargets:
                                  f"(TMA)")
 
     def op_args(self) -> tuple:
-        return (self.act, self.x_rows, self.dw2, self.dw1, self.accumulate, self.reverse2,
-                self.reverse1)
+        return (self.x_rows, self.dw2, self.dw1, self.accumulate, self.reverse2, self.reverse1)
+
+
+class DataGradients(NamedTuple):
+    """What the routed experts' data gradients leave for the weight gradients and the
+    combine, in row-table order (the backward megakernel and the launch chain alike):
+    dy_rows: the dy rows, unscaled; row_w: their router weights (0: padding);
+    dots_part [rows, ceil(I / 256)]: <dy, y_row> per column tile of fc2's dgrad (their sum
+    is d_topk_w's row); act_scaled: row_w * SwiGLU(h) (dW2 = dy_rows^T act_scaled);
+    d_h: the SwiGLU backward's [d_gate, d_up]; dx_rows: fc1's dgrad (None when the
+    megakernel scattered them into the owners' slots, EP > 1)."""
+    dy_rows: torch.Tensor
+    row_w: torch.Tensor
+    dots_part: torch.Tensor
+    act_scaled: torch.Tensor
+    d_h: torch.Tensor
+    dx_rows: Optional[torch.Tensor]
+
+    def dots(self) -> torch.Tensor:
+        """[rows] fp32 <dy, y_row>: the partials summed in column-tile order."""
+        return self.dots_part.sum(1)
 
 
 def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
-                 w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, y_rows: torch.Tensor, *,
+                 w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, *,
                  minibatch_rows: int, hold_tile: int = -1,
-                 timeout_ms: Optional[int] = None, wgrad: Optional["WgradTargets"] = None):
-    """(d_out, dots, d_h, dx_rows) of the routed experts' data gradients in one persistent
-    launch (csrc/megakernel/backward.cuh), bitwise those of the launch chain: d_out = dy
-    rows scaled by their router weight (pull_rows), dots = <dy, y_row> per row, d_h = fc2
-    dgrad with the SwiGLU backward (from the saved h), dx_rows = fc1 dgrad. With `wgrad`
-    the same launch then computes the weight gradients into wgrad.dw2 / wgrad.dw1 (phase 2:
-    the bits of grouped_gemm.wgrad on d_out, act and d_h, x_rows), else they are left to
-    the core's wgrad launches.
+                 timeout_ms: Optional[int] = None,
+                 wgrad: Optional["WgradTargets"] = None) -> DataGradients:
+    """The routed experts' data gradients in one persistent launch
+    (csrc/megakernel/backward.cuh), bitwise those of the launch chain: dy rows and their
+    router weights pulled (ops.pull_rows), fc2 dgrad with the router weight and the SwiGLU
+    backward in its epilogue (from the saved h; it also emits the <dy, y_row> partials and
+    act_scaled), fc1 dgrad. With `wgrad` the same launch then computes the weight
+    gradients into wgrad.dw2 / wgrad.dw1 (phase 2: the bits of grouped_gemm.wgrad on
+    dy_rows, act_scaled and d_h, x_rows), else they are left to the core's wgrad launches.
 
     EP = 1: reads dy and topk_w directly; the combine reads dx_rows in place
-    (ops.combine_rows) and d_topk_w from dots. EP > 1: every rank has published its dy and
-    router weights in the arena ("dy", "topk_w") and passed a barrier; the kernel pulls
-    from the peers and writes dx rows and dots into their owners' "slots" / "d_topk_w"
-    (as push_rows does); dx_rows is then not written (None); topk_w is unused."""
+    (ops.combine_rows). EP > 1: every rank has published its dy and router weights in the
+    arena ("dy", "topk_w") and passed a barrier; the kernel pulls from the peers and writes
+    dx rows into their owners' "slots" (as push_rows does); dx_rows is then None and
+    topk_w is unused; the caller pushes the dots (DataGradients.dots) to d_topk_w."""
     if minibatch_rows < TILE_M or minibatch_rows % TILE_M:
         raise ValueError(f"megatron_mok: minibatch_rows must be a positive multiple of {TILE_M}, "
                          f"got {minibatch_rows}")
     rows, hidden = ws.capacity, dy.shape[1]
-    for name, t in (("dy", dy), ("w1", w1), ("w2", w2), ("h", h), ("y_rows", y_rows)):
+    for name, t in (("dy", dy), ("w1", w1), ("w2", w2), ("h", h)):
         if t.dtype != torch.bfloat16 or not t.is_cuda or not t.is_contiguous():
             raise ValueError(f"megatron_mok: {name} must be a contiguous CUDA bfloat16 tensor")
     inter = w1.shape[1] // 2
     grouped_gemm.check_multiple_of_8(hidden=hidden, inter=inter)
-    if h.shape != (rows, 2 * inter) or y_rows.shape != (rows, hidden):
-        raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}] and y_rows "
-                         f"[{rows}, {hidden}], got {tuple(h.shape)} and {tuple(y_rows.shape)}")
+    if h.shape != (rows, 2 * inter):
+        raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}], got {tuple(h.shape)}")
     if wgrad is not None:
         wgrad.check(rows, hidden, inter, w1.shape[0], dy.device)
     arena, local = ws.arena, ws.ep_size == 1
-    d_out = dy.new_empty(rows, hidden)
-    dots = torch.empty(rows, dtype=torch.float32, device=dy.device)
-    d_h = dy.new_empty(rows, 2 * inter)
-    dx_rows = dy.new_empty(rows, hidden) if local else None  # EP > 1: dx goes to the slots
+    out = DataGradients(
+        dy_rows=dy.new_empty(rows, hidden),
+        row_w=torch.empty(rows, dtype=torch.float32, device=dy.device),
+        dots_part=torch.empty(rows, grouped_gemm.dgrad_col_tiles(inter), dtype=torch.float32,
+                              device=dy.device),
+        act_scaled=dy.new_empty(rows, inter), d_h=dy.new_empty(rows, 2 * inter),
+        dx_rows=dy.new_empty(rows, hidden) if local else None)  # EP > 1: into the slots
     torch.ops.megatron_mok.moe_backward(
         arena.peer_base, arena.offset("dy"), arena.offset("topk_w"), dy if local else None,
         topk_w.float().contiguous() if local else None, ws.topk, sched.peer_rank,
         sched.peer_token, sched.peer_k, sched.expert_offsets, sched.num_rows, w1, w2, h,
-        y_rows, d_out, dots, d_h, dx_rows, ws.forward_counters, arena.watchdog,
+        out.dy_rows, out.row_w, out.dots_part, out.act_scaled, out.d_h, out.dx_rows,
+        ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
-        minibatch_rows, not local, arena.offset("slots"), arena.offset("d_topk_w"), hold_tile,
+        minibatch_rows, not local, arena.offset("slots"), hold_tile,
         *(wgrad.op_args() if wgrad is not None else ()))
-    return d_out, dots, d_h, dx_rows
+    return out
 
 
 # Cycle probes (csrc/megakernel/forward.cuh, ProbeSlot): per CTA, summed by the first

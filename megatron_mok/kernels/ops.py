@@ -77,17 +77,18 @@ def gather_from_peers(peer_base, offset: int, out) -> None:
 
 
 def pull_rows(peer_base, src_offset: int, sched, topk: int, out, *, w_offset: int = -1,
-              saved=None, dots=None) -> None:
+              row_w=None) -> None:
     """out[j] = row sched.peer_token[j] of rank sched.peer_rank[j]'s buffer at src_offset
-    (times that rank's router weight at w_offset when given; dots[j] = <row, saved[j]>)."""
+    (zeros for padding rows); with row_w, row_w[j] = that rank's router weight of the route
+    at w_offset (0 for padding; the rows stay unscaled)."""
     torch.ops.megatron_mok.pull_rows(peer_base, src_offset, sched.peer_rank, sched.peer_token,
-                                     sched.peer_k, sched.num_rows, topk, w_offset, saved, out,
-                                     dots)
+                                     sched.peer_k, sched.num_rows, topk, w_offset, out, row_w)
 
 
 def push_rows(rows, peer_base, dst_offset: int, sched, topk: int, *, scalars=None,
               scalar_offset: int = 0) -> None:
-    """rows[j] -> slot (token, k) of rank peer_rank[j]'s buffer at dst_offset (and scalars)."""
+    """rows[j] -> slot (token, k) of rank peer_rank[j]'s buffer at dst_offset, and scalars[j]
+    to the same slot of its buffer at scalar_offset (rows None: the scalars only)."""
     torch.ops.megatron_mok.push_rows(rows, peer_base, dst_offset, sched.peer_rank,
                                      sched.peer_token, sched.peer_k, sched.num_rows, topk,
                                      scalars, scalar_offset)

@@ -15,11 +15,10 @@ from typing import Optional
 
 import torch
 
-from megatron_mok.kernels import autotune, backend, megakernel, ops
+from megatron_mok.kernels import autotune, backend, megakernel
 from megatron_mok.kernels.autotune import BackwardPlan, ForwardPlan
-from megatron_mok.kernels.launch_chain import (dgrad_launches, expert_launches,
-                                               fused_wgrad_targets, gather_rows, gemm_core,
-                                               rows_combine, weight_grad)
+from megatron_mok.kernels.launch_chain import (expert_launches, fused_wgrad_targets, gather_rows,
+                                               gemm_core, rows_combine, weight_grad)
 
 
 def _run(plan: ForwardPlan, ws, sched, x, w1, w2):
@@ -82,7 +81,7 @@ def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
                   w2: torch.Tensor, dy: torch.Tensor, *, plans: Optional[list] = None,
                   warmup: int = 2, iters: int = 5, save: bool = True
                   ) -> tuple[BackwardPlan, dict]:
-    """Time what the plans change in the backward (pull dy scaled + dots, fc2 dgrad +
+    """Time what the plans change in the backward (pull dy rows + weights, fc2 dgrad +
     SwiGLU backward, fc1 dgrad and the bf16 weight gradients: the core's wgrad launches,
     or inside the megakernel with MOK_BACKWARD_WGRAD=fused; the combine is the same)
     for every candidate at EP = 1 after one forward that keeps its context; return
@@ -96,30 +95,19 @@ def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
     plans = plans or autotune.backward_candidates()
     if not megakernel.backward_runnable(ws, dy.dtype, saved.route_row is not None):
         plans = [p for p in plans if p.path == "launches"]
-    core, offs = gemm_core(), sched.expert_offsets[1:]
-    arena = ws.arena
-
-    def wgrads(d_out, d_h):
-        weight_grad(core, d_out, saved.act, sched, saved.w2, None)
-        weight_grad(core, d_h, saved.x_rows, sched, saved.w1, None)
+    core, arena = gemm_core(), ws.arena
 
     def run(plan):
-        if plan.path == "megakernel":
-            targets = fused_wgrad_targets(saved, None, None)
-            d_out, _, d_h, _ = megakernel.moe_backward(
-                ws, sched, dy, saved.topk_w, saved.w1, saved.w2, saved.h, saved.y_rows,
-                minibatch_rows=plan.minibatch_rows, wgrad=targets)
-            if targets is None:
-                wgrads(d_out, d_h)
-            return
-        arena.view("dy").copy_(dy)
-        arena.view("topk_w").copy_(saved.topk_w)
-        d_out = dy.new_empty(ws.capacity, dy.shape[1])
-        dots = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
-        ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, d_out,
-                      w_offset=arena.offset("topk_w"), saved=saved.y_rows, dots=dots)
-        d_h, _ = dgrad_launches(core, sched, saved, d_out, offs)
-        wgrads(d_out, d_h)
+        fused = plan.path == "megakernel"
+        targets = fused_wgrad_targets(saved, None, None) if fused else None
+        if not fused:
+            arena.view("dy").copy_(dy)
+            arena.view("topk_w").copy_(saved.topk_w)
+        grads = backend.data_gradients(ws, sched, saved, dy, fused, plan.minibatch_rows,
+                                       targets)
+        if targets is None:
+            weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, None)
+            weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, None)
 
     timings = {}
     for plan in plans:
