@@ -51,6 +51,7 @@ HOST_CALLS = 5  # layer calls timed on the host alone (each after a sync, none i
 PASSES = ("fwd", "bwd")
 CHECK_TOL = 1e-2
 WEIGHT_STD = 0.02
+BIAS_STD = 0.1  # the experts' biases, where a shape has them
 FLUSH_BYTES = 256 * 1024 * 1024
 # Correctness check at the full T while the reference's forward stays this cheap;
 # otherwise on the first AUTO_CHECK_TOKENS tokens (a fresh run at reduced T).
@@ -126,12 +127,15 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
                       w1: torch.Tensor, w2: torch.Tensor,
                       shared_w1: Optional[torch.Tensor] = None,
                       shared_w2: Optional[torch.Tensor] = None, *,
-                      has_dropped_routes: bool = False) -> torch.Tensor:
+                      has_dropped_routes: bool = False, activation=None,
+                      b1: Optional[torch.Tensor] = None,
+                      b2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The unfused PyTorch MoE layer ("NCCL + PyTorch" at EP=1), differentiable.
 
     x [T, H]; topk_idx [T, K] expert ids in [0, E) (-1 only with has_dropped_routes);
     topk_w [T, K] fp32; w1 [E, 2I, H] = [gate; up]; w2 [E, H, I]; shared [2Is, H], [H, Is].
-    No host synchronisation on the GPU.
+    activation: a megatron_mok ExpertActivation (None: SwiGLU); b1 [E, 2I] / b2 [E, H]: the
+    experts' biases. No host synchronisation on the GPU.
     """
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
@@ -144,9 +148,17 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
     offs = counts[:num_experts].cumsum(0, dtype=torch.int32)    # group ends
     x_perm = x.index_select(0, order // topk)                     # permute
     h = grouped_linear(x_perm, w1, offs)                          # fc1 [TK, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    act = F.silu(gate) * up                                       # SwiGLU
+    expert_of = key.index_select(0, order).clamp(max=num_experts - 1) if b1 is not None else None
+    if b1 is not None:
+        h = h + b1.index_select(0, expert_of)
+    if activation is None:
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate) * up                                   # SwiGLU
+    else:
+        act = activation(h).to(h.dtype)
     out = grouped_linear(act, w2, offs)                           # fc2 [TK, H]
+    if b2 is not None:
+        out = out + b2.index_select(0, expert_of)
     inverse = torch.empty_like(order).scatter_(
         0, order, torch.arange(order.numel(), device=x.device))
     slots = out.index_select(0, inverse).view(num_tokens, topk, hidden)  # unpermute
@@ -172,12 +184,17 @@ class Weights:
     w2: torch.Tensor
     shared_w1: Optional[torch.Tensor] = None
     shared_w2: Optional[torch.Tensor] = None
+    b1: Optional[torch.Tensor] = None  # the experts' biases (shapes with expert_bias)
+    b2: Optional[torch.Tensor] = None
 
     def tensors(self) -> tuple:
         return (self.w1, self.w2, self.shared_w1, self.shared_w2)
 
+    def biases(self) -> dict:
+        return {} if self.b1 is None else {"b1": self.b1, "b2": self.b2}
+
     def leaves(self) -> list:
-        return [t for t in self.tensors() if t is not None]
+        return [t for t in (*self.tensors(), self.b1, self.b2) if t is not None]
 
 
 def make_weights(local: S.LocalShape, device, seed: int = 0,
@@ -199,6 +216,9 @@ def make_weights(local: S.LocalShape, device, seed: int = 0,
     if local.shared_inter:
         w.shared_w1 = rnd(2 * local.shared_inter, h)
         w.shared_w2 = rnd(h, local.shared_inter)
+    if local.expert_bias:  # BIAS_STD / WEIGHT_STD times the weights' std
+        w.b1, w.b2 = (rnd(*shape).detach().mul_(BIAS_STD / WEIGHT_STD).requires_grad_(True)
+                      for shape in ((e, 2 * i), (e, h)))
     return w
 
 
@@ -261,6 +281,8 @@ class Backend:
                "dw2": w.w2.grad}
         if w.shared_w1 is not None:
             out["d_shared_w1"], out["d_shared_w2"] = w.shared_w1.grad, w.shared_w2.grad
+        if w.b1 is not None:
+            out["db1"], out["db2"] = w.b1.grad, w.b2.grad
         return out
 
     def close(self) -> None:
@@ -270,23 +292,27 @@ class Backend:
 class TorchUnfusedBackend(Backend):
     name = "torch-unfused"
 
-    def __init__(self, weights: Weights, device):
+    def __init__(self, weights: Weights, device, activation=None):
         super().__init__(weights)
+        self.activation = activation
         self.info = {"grouped_gemm": grouped_mm_impl(device, weights.w1.dtype)}
 
     def run(self, inp):
-        return torch_unfused_moe(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors())
+        return torch_unfused_moe(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors(),
+                                 activation=self.activation, **self.weights.biases())
 
 
 class MokBackend(Backend):
     name = "mok"
 
-    def __init__(self, weights: Weights, device, mok_backend: str = "auto"):
+    def __init__(self, weights: Weights, device, mok_backend: str = "auto",
+                 activation: str = "swiglu"):
         super().__init__(weights)
         from megatron_mok import functional
         from megatron_mok.config import MoKConfig
         self.fused_moe = functional.fused_moe
-        self.config = MoKConfig(backend=mok_backend)
+        self.config = MoKConfig(backend=mok_backend, activation=S.activation_of(activation),
+                                expert_bias=weights.b1 is not None)
         self.resolved = functional.resolve_backend(self.config, torch.device(device),
                                                    weights.w1.dtype)
         self.info = {"mok_backend": self.resolved, "mok_backend_requested": mok_backend}
@@ -305,7 +331,7 @@ class MokBackend(Backend):
 
     def run(self, inp):
         return self.fused_moe(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors(),
-                              config=self.config)
+                              config=self.config, **self.weights.biases())
 
     def close(self):
         from megatron_mok.functional import clear_workspace_cache
@@ -539,9 +565,12 @@ class MegatronBackend(Backend):
 
 def make_backend(name: str, local: S.LocalShape, weights: Weights, device, args) -> Backend:
     if name == "mok":
-        return MokBackend(weights, device, args.mok_backend)
+        return MokBackend(weights, device, args.mok_backend, local.activation)
     if name == "torch-unfused":
-        return TorchUnfusedBackend(weights, device)
+        plain = local.activation == "swiglu"
+        return TorchUnfusedBackend(weights, device, None if plain else S.activation_of(local.activation))
+    if local.activation != "swiglu" or local.expert_bias:
+        raise ValueError(f"{name} runs plain SwiGLU experts without biases only")
     if name == "megatron-alltoall":
         return MegatronBackend(local, weights, device, seed=args.seed)
     if name == "megatron-te":
@@ -556,18 +585,20 @@ def make_backend(name: str, local: S.LocalShape, weights: Weights, device, args)
 # Reference and correctness gate
 # ----------------------------------------------------------------------------------------
 
-def reference_outputs(case: CaseInputs, weights: Weights, want_grads: bool) -> dict:
+def reference_outputs(case: CaseInputs, weights: Weights, want_grads: bool,
+                      activation: str = "swiglu") -> dict:
     """y and (optionally) every gradient of moe_reference on the case."""
     from megatron_mok.reference import moe_reference
     x = case.x.detach().requires_grad_(want_grads)
     w = case.topk_w.detach().requires_grad_(want_grads)
     ws = [None if t is None else t.detach().requires_grad_(want_grads)
-          for t in weights.tensors()]
+          for t in (*weights.tensors(), weights.b1, weights.b2)]
     with torch.enable_grad() if want_grads else torch.no_grad():
-        y = moe_reference(x, case.topk_idx, w, *ws, check=True)
+        y = moe_reference(x, case.topk_idx, w, *ws[:4], check=True,
+                          activation=S.activation_of(activation), b1=ws[4], b2=ws[5])
     out = {"y": y.detach()}
     if want_grads:
-        names = ["dx", "d_topk_w", "dw1", "dw2", "d_shared_w1", "d_shared_w2"]
+        names = ["dx", "d_topk_w", "dw1", "dw2", "d_shared_w1", "d_shared_w2", "db1", "db2"]
         leaves = [x, w, *ws]
         pairs = [(n, t) for n, t in zip(names, leaves) if t is not None]
         grads = torch.autograd.grad(y, [t for _, t in pairs], case.dy)
@@ -831,6 +862,7 @@ def make_record(meta: dict, shape: S.Shape, local: S.LocalShape, num_tokens: int
         "speedup": {}, "flops": flops, "peak_tflops": peak,
         "H": local.hidden, "I": local.inter, "E": shape.num_experts,
         "E_loc": local.num_local_experts, "K": local.topk, "shared_I": local.shared_inter,
+        "activation": local.activation, "expert_bias": local.expert_bias,
         "info": info or {}, "check": check or {}, "error": error,
         **{k: meta.get(k) for k in RUN_FIELDS},
     }
@@ -1043,7 +1075,8 @@ def run(args) -> tuple[Path, list]:
             for routing in args.routing:
                 case = make_case(local, num_tokens, routing, device, seed=args.seed)
                 check_tokens = resolve_check_tokens(args.check_tokens, local, num_tokens)
-                ref = reference_outputs(case.head(check_tokens), weights, want_bwd_check)
+                ref = reference_outputs(case.head(check_tokens), weights, want_bwd_check,
+                                        local.activation)
                 label = f"{shape.name} T={num_tokens} {routing}"
                 for name in args.backends:
                     common = dict(check_tokens=check_tokens, warmup=args.warmup)

@@ -29,6 +29,8 @@ class Shape:
     shared_inter: int = 0    # I of the shared expert (0 = none)
     ep_size: int = EP8       # EP of the proxied run (E_loc = E / ep_size)
     source: str = ""
+    activation: str = "swiglu"  # the experts': a key of ACTIVATIONS
+    expert_bias: bool = False   # fc1 and fc2 biases (GPT-OSS)
 
     @property
     def has_shared(self) -> bool:
@@ -44,10 +46,27 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("mixtral-8x7b", 4096, 14336, 8, 2, 0, 1, "Mixtral 8x7B (EP=1)"),
 )}
 
+# The same layers with their models' own expert activation and biases, where those differ
+# from plain SwiGLU (not in the default set: `--shapes gpt-oss-120b-glu`).
+VARIANT_SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape("gpt-oss-120b-glu", 2880, 2880, 128, 4, 0, EP8,
+          "GPT-OSS-120B experts as published: clamped quick_gelu GLU (clamp 7, offset 1), "
+          "fc1 and fc2 biases", activation="gpt-oss", expert_bias=True),
+)}
+
+
+def activation_of(name: str):
+    """The megatron_mok ExpertActivation of a shape's activation key."""
+    from megatron_mok import activations
+    return {"swiglu": activations.SWIGLU, "gpt-oss": activations.GPT_OSS}[name]
+
+
 # Not a benchmark shape: a tiny one for CPU smoke runs and tests (`--shapes tiny`).
 TEST_SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("tiny", 64, 32, 32, 2, 48, EP8, "CPU smoke test"),
     Shape("tiny-noshared", 64, 32, 16, 2, 0, EP8, "CPU smoke test"),
+    Shape("tiny-glu", 64, 32, 16, 2, 0, EP8, "CPU smoke test", activation="gpt-oss",
+          expert_bias=True),
 )}
 
 DEFAULT_TOKENS = (4096, 8192)
@@ -56,11 +75,11 @@ ZIPF_S = 1.2
 
 
 def get_shape(name: str) -> Shape:
-    if name in SHAPES:
-        return SHAPES[name]
-    if name in TEST_SHAPES:
-        return TEST_SHAPES[name]
-    raise KeyError(f"unknown shape {name!r}; known: {', '.join([*SHAPES, *TEST_SHAPES])}")
+    for table in (SHAPES, VARIANT_SHAPES, TEST_SHAPES):
+        if name in table:
+            return table[name]
+    raise KeyError(f"unknown shape {name!r}; known: "
+                   f"{', '.join([*SHAPES, *VARIANT_SHAPES, *TEST_SHAPES])}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +92,8 @@ class LocalShape:
     num_local_experts: int
     topk: int
     shared_inter: int
+    activation: str = "swiglu"
+    expert_bias: bool = False
 
 
 def ep8_proxy(shape: Shape) -> LocalShape:
@@ -85,7 +106,7 @@ def ep8_proxy(shape: Shape) -> LocalShape:
         raise ValueError(f"{shape.name}: top-{shape.topk} needs at least {shape.topk} local "
                          f"experts, E_loc={e_loc}")
     return LocalShape(shape.name, shape.hidden, shape.inter, e_loc, shape.topk,
-                      shape.shared_inter)
+                      shape.shared_inter, shape.activation, shape.expert_bias)
 
 
 # ----------------------------------------------------------------------------------------

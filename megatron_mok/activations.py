@@ -86,6 +86,23 @@ class ExpertActivation:
         # (No + 0.0 for plain GLUs: a pass over [.., I] fp32 for nothing.)
         return f(gate) * (up + self.linear_offset if self.linear_offset else up)
 
+    @property
+    def kernel_glu(self) -> Optional[tuple[float, float, float]]:
+        """(alpha, limit, offset) of the kernels' general GLU epilogue for a gated silu or
+        quick_gelu (f(x) = x sigmoid(alpha x)) with its clamp (limit inf: none) and linear
+        offset; None for SwiGLU itself (its own epilogue) and for what the kernels do not run
+        (see kernel_runs)."""
+        if self.is_swiglu or not self.kernel_runs:
+            return None
+        limit = float("inf") if self.clamp is None else float(self.clamp)
+        return GLU_ALPHA[self.function], limit, float(self.linear_offset)
+
+    @property
+    def kernel_runs(self) -> bool:
+        """The kernel backend's epilogues compute this activation: GLUs of silu or
+        quick_gelu, clamped or not, with or without a linear offset."""
+        return self.gated and self.function in GLU_ALPHA
+
     def describe(self) -> str:
         if self.is_swiglu:
             return "SwiGLU"
@@ -96,6 +113,9 @@ class ExpertActivation:
             parts.append(f"linear offset {self.linear_offset:g}")
         return ", ".join(parts)
 
+
+# f(x) = x * sigmoid(alpha * x): the gate functions of the kernels' GLU epilogues.
+GLU_ALPHA = {"silu": 1.0, "quick_gelu": 1.702}
 
 SWIGLU = ExpertActivation()
 GPT_OSS = ExpertActivation("quick_gelu", gated=True, clamp=7.0, linear_offset=1.0)
@@ -115,6 +135,26 @@ def swiglu_backward(h: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
     d = d_act.float()
     d_gate = d * up * sig * (1 + gate * (1 - sig))
     d_up = d * gate * sig
+    return torch.cat([d_gate, d_up], dim=-1)
+
+
+def glu_backward(activation: ExpertActivation, h: torch.Tensor, d_act: torch.Tensor
+                 ) -> torch.Tensor:
+    """[..., 2I] fp32: d[gate; up] of a kernel GLU (activation.kernel_runs) at h given d_act,
+    the closed form the kernels' epilogues compute: with g' = min(g, c), u' = clamp(u, -c, c),
+    s = sigmoid(alpha g'): d_gate = d_act (u' + offset) s (1 + alpha g' (1 - s)) where g <= c,
+    d_up = d_act g' s where -c <= u <= c (torch.clamp's gradient, bounds included)."""
+    if not activation.kernel_runs:
+        raise ValueError(f"megatron_mok: no closed-form backward for {activation.describe()}")
+    if activation.is_swiglu:
+        return swiglu_backward(h, d_act)
+    alpha, limit, offset = activation.kernel_glu
+    gate, up = h.float().chunk(2, dim=-1)
+    gc, uc = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    sig = torch.sigmoid(alpha * gc)
+    d = d_act.float()
+    d_gate = torch.where(gate <= limit, d * (uc + offset) * sig * (1 + alpha * gc * (1 - sig)), 0.0)
+    d_up = torch.where((up >= -limit) & (up <= limit), d * gc * sig, 0.0)
     return torch.cat([d_gate, d_up], dim=-1)
 
 

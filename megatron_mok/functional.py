@@ -6,7 +6,8 @@
     y, ctx = forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2)
     grads  = backward(config, ws, sched, ctx, dy)
 
-(b1=, b2= add the routed experts' biases, GPT-OSS's; the reference backend runs them.)
+(b1=, b2= add the routed experts' biases, GPT-OSS's; both backends run them, the kernel
+backend in its GEMM epilogues.)
 
 or, with autograd, `fused_moe(x, topk_idx, topk_w, w1, w2, ...)`. With `accumulators`
 (megatron_mok.grad_accumulation) the weight gradients are added into caller-owned buffers
@@ -168,7 +169,7 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
     if backend == "kernel":
         check_kernel_config(config)  # e.g. FP8 or biases on a kernel workspace
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
-                                          keep_ctx, config)
+                                          keep_ctx, config, b1, b2)
         return y, MoKForwardContext(backend, _meta(y) if keep_ctx else None, saved=saved)
     sched.check_errors()  # the reference is not sync-free anyway
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)
@@ -297,7 +298,7 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     (megatron_mok.shared_fold); None: as MOK_SHARED_EXPERT says.
     b1 [E_loc, 2I] (or [E_loc, I]) and b2 [E_loc, H]: the routed experts' biases (GPT-OSS),
     both or neither; the routing weight scales b2 with the expert's output, as Megatron's
-    experts do. They set config.expert_bias (the kernel backend runs no biases yet).
+    experts do. They set config.expert_bias.
     config.fp8 = "blockwise": the routed experts in blockwise FP8 (reference_fp8; EP = 1,
     SwiGLU, no biases, H and I multiples of 128), the shared expert in BF16."""
     config = config or MoKConfig()

@@ -89,16 +89,13 @@ def check_expert_biases(b1, b2, w1, w2, x) -> None:
 
 
 def kernel_config_refusal(config) -> Optional[str]:
-    """Why the kernel backend cannot run `config` (None: it can). It runs SwiGLU experts
-    without biases in BF16 (so far); the others run on the reference backend."""
-    if not config.activation.is_swiglu:
-        return (f"the kernel backend runs SwiGLU experts only, not "
-                f"{config.activation.describe()}; use backend='reference' "
+    """Why the kernel backend cannot run `config` (None: it can). It runs GLU experts of
+    silu or quick_gelu (SwiGLU; GPT-OSS's clamped GLU with its linear offset), with or
+    without expert biases, in BF16; the others run on the reference backend."""
+    if not config.activation.kernel_runs:
+        return (f"the kernel backend runs GLU experts of silu or quick_gelu (clamped or not), "
+                f"not {config.activation.describe()}; use backend='reference' "
                 f"(--mok-backend reference), or SwiGLU experts (--swiglu)")
-    if config.expert_bias:
-        return ("the kernel backend runs experts without biases only; use "
-                "backend='reference' (--mok-backend reference), or no expert biases "
-                "(--disable-bias-linear)")
     if config.fp8:
         return ("the kernel backend has no FP8 GEMMs yet; use backend='reference' "
                 "(--mok-backend reference), or BF16 (no --mok-fp8 / --fp8-format)")

@@ -124,11 +124,15 @@ def test_non_gated_weights_are_checked():
     reference.moe_reference(**inputs, activation=A.SQUARED_RELU)
 
 
-def test_kernel_backend_refuses_other_activations_before_any_launch():
+def test_kernel_backend_runs_glus_and_refuses_other_activations_before_any_launch():
     from megatron_mok.validation import check_kernel_config
     check_kernel_config(MoKConfig())
-    with pytest.raises(ValueError, match="SwiGLU experts only.*--mok-backend reference"):
-        check_kernel_config(MoKConfig(activation=A.GPT_OSS))
+    check_kernel_config(MoKConfig(activation=A.GPT_OSS))  # the GLU epilogues run it
+    check_kernel_config(MoKConfig(activation=A.ExpertActivation("silu", True, clamp=5.0)))
+    for refused in (A.SQUARED_RELU, A.ExpertActivation("gelu", gated=True)):
+        with pytest.raises(ValueError, match="GLU experts of silu or quick_gelu.*"
+                                             "--mok-backend reference"):
+            check_kernel_config(MoKConfig(activation=refused))
     with pytest.raises(ValueError, match="ExpertActivation"):
         MoKConfig(activation="swiglu")
 

@@ -132,7 +132,8 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
 void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
                              const at::Tensor& offsets, const at::Tensor& num_rows,
                              const at::Tensor& act, const std::optional<at::Tensor>& h,
-                             int64_t max_ctas) {
+                             int64_t max_ctas, const std::optional<at::Tensor>& bias, bool glu,
+                             double glu_alpha, double glu_limit, double glu_offset) {
   check_bf16_cuda(x_rows, "x_rows", 2);
   check_bf16_cuda(w1, "w1", 3);
   check_bf16_cuda(act, "act", 2);
@@ -147,18 +148,24 @@ void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
     TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
     p.store_h = true;
   }
+  set_col_bias(p, bias, E, 2 * I, x_rows.device(), "b1");
   const OutView act_view = rows_view(act);
   const OutView h_view = h.has_value() ? halves_view(*h) : act_view;
-  with_cluster<CfgFc1SwiGLU>([&](auto cfg) {
+  auto run = [&](auto cfg) {
     launch<decltype(cfg)>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
                           make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E), act_view,
                           h_view, max_ctas);
-  });
+  };
+  if (set_glu(p, glu, glu_alpha, glu_limit, glu_offset)) {
+    run(CfgFc1Glu{});  // clusters of 1 only
+  } else {
+    with_cluster<CfgFc1SwiGLU>(run);
+  }
 }
 
 void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offsets,
                             const at::Tensor& num_rows, bool w_transposed, const at::Tensor& out,
-                            int64_t max_ctas) {
+                            int64_t max_ctas, const std::optional<at::Tensor>& bias) {
   check_bf16_cuda(a, "a", 2);
   check_bf16_cuda(w, "w", 3);
   check_bf16_cuda(out, "out", 2);
@@ -170,7 +177,8 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   TORCH_CHECK(out.size(0) == R && out.size(1) == N, "megatron_mok: out must be [rows, N]");
   c10::cuda::CUDAGuard guard(a.device());
-  if (pingpong() && cluster_size() == 1) {
+  // The ping-pong kernel's epilogue adds no bias: biased GEMMs run cooperatively.
+  if (pingpong() && cluster_size() == 1 && !bias.has_value()) {
     if (w_transposed) {
       GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNNPing::BN);
       launch<CfgRowsNNPing, false, false, true>(p, a, make_stride(K, _1{}), int(R), int(K), w,
@@ -186,6 +194,7 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   }
   if (w_transposed) {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNN<1>::BN);
+    set_col_bias(p, bias, E, N, a.device(), "bias");
     with_cluster<CfgRowsNN>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
                             make_stride(_1{}, N, K * N), int(N), int(K), int(E),
@@ -193,6 +202,7 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
     });
   } else {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNT<1>::BN);
+    set_col_bias(p, bias, E, N, a.device(), "bias");
     with_cluster<CfgRowsNT>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
                             make_stride(K, _1{}, N * K), int(N), int(K), int(E),
@@ -206,7 +216,8 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
                                const at::Tensor& h, const at::Tensor& d_h, int64_t max_ctas,
                                const std::optional<at::Tensor>& row_w,
                                const std::optional<at::Tensor>& dots_part,
-                               const std::optional<at::Tensor>& act_scaled) {
+                               const std::optional<at::Tensor>& act_scaled, bool glu,
+                               double glu_alpha, double glu_limit, double glu_offset) {
   check_bf16_cuda(dy_rows, "dy_rows", 2);
   check_bf16_cuda(w2, "w2", 3);
   check_bf16_cuda(h, "h", 2);
@@ -227,6 +238,19 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
     p.row_scale = row_w->data_ptr<float>();
     p.dots_part = dots_part->data_ptr<float>();
     p.act_scaled = reinterpret_cast<__nv_bfloat16*>(act_scaled->data_ptr());
+  }
+  // The general GLU: cooperative tiles, clusters of 1, h through the ring or from global.
+  if (set_glu(p, glu, glu_alpha, glu_limit, glu_offset)) {
+    if (h_through_ring()) {
+      launch<CfgDgradGlu, false, true>(p, dy_rows, make_stride(H, _1{}), int(R), int(H), w2,
+                                       make_stride(_1{}, I, H * I), int(I), int(H), int(E),
+                                       rows_view(d_h), halves_view(d_h), max_ctas, &h);
+    } else {
+      launch<CfgDgradGlu>(p, dy_rows, make_stride(H, _1{}), int(R), int(H), w2,
+                          make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),
+                          halves_view(d_h), max_ctas);
+    }
+    return;
   }
   // h through the operand ring (default), or read by the epilogue from global memory
   // (MOK_DGRAD_H=global, and always for clusters of 2): the same bits.

@@ -27,6 +27,11 @@ using CfgRowsNN = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi
 template <int C>
 using CfgDgradSwiGLU =
     gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd, __nv_bfloat16, C>;
+// The same two with the general GLU epilogues (kGlu; clusters of 1 only).
+using CfgFc1Glu = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kSwiGLU,
+                                   __nv_bfloat16, 1, 256, 4, true>;
+using CfgDgradGlu = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd,
+                                     __nv_bfloat16, 1, 256, 4, true>;
 // Core v6 ping-pong (MOK_GEMM_PINGPONG=1): 128 x 128 tiles per consumer warpgroup,
 // 6 stages of 32 KB: fc2 / dgrad (store) and the fused dgrad + SwiGLU backward.
 using CfgRowsNTPing = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kStore, __nv_bfloat16, 1, 128, 6>;
@@ -140,6 +145,30 @@ inline void check_row_scale_outputs(const at::Tensor& row_w, const at::Tensor& d
   TORCH_CHECK(act_scaled.size(0) == rows && act_scaled.size(1) == inter &&
                   act_scaled.device() == device,
               "megatron_mok: act_scaled must be [rows, I] on the operands' device");
+}
+
+// An op's GLU arguments (glu: the general GLU, else SwiGLU) into the params; returns glu.
+inline bool set_glu(GemmParams& p, bool glu, double alpha, double limit, double offset) {
+  if (!glu) return false;
+  TORCH_CHECK(limit > 0 && alpha > 0, "megatron_mok: the GLU needs alpha > 0 and a clamp "
+              "limit > 0 (inf: no clamp), got alpha ", alpha, ", limit ", limit);
+  p.glu_alpha = float(alpha);
+  p.glu_limit = float(limit);
+  p.glu_offset = float(offset);
+  return true;
+}
+
+// A per-expert bias [E, cols] bf16 (fc1's [E, 2I], fc2's [E, H]) into the params.
+inline void set_col_bias(GemmParams& p, const std::optional<at::Tensor>& bias, int64_t experts,
+                         int64_t cols, const at::Device& device, const char* name) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->is_cuda() && bias->device() == device && bias->scalar_type() == at::kBFloat16 &&
+                  bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == experts &&
+                  bias->size(1) == cols,
+              "megatron_mok: ", name, " must be a contiguous bfloat16 [", experts, ", ", cols,
+              "] on ", device);
+  p.col_bias = reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr());
+  p.bias_stride = cols;
 }
 
 inline GemmParams rows_params(const at::Tensor& offsets, const at::Tensor& num_rows, int64_t rows,

@@ -23,7 +23,13 @@
 //
 // Epilogues: kStore (D = acc), kSwiGLU (B tile = gate rows + matching up rows, writes
 // act = silu(gate) * up and optionally h = [gate, up] in bf16), kSwiGLUBwd (acc = d_act;
-// reads h, writes d_h = [d_gate, d_up]).
+// reads h, writes d_h = [d_gate, d_up]). With kGlu the two GLU epilogues compute the
+// general GLU of the spec (activations.py) instead of SwiGLU: act = g' sigmoid(alpha g')
+// (u' + offset), g' = min(g, c), u' = clamp(u, -c, c) (GPT-OSS: alpha 1.702, c 7, offset
+// 1), its parameters in GemmParams. A compile-time variant: the SwiGLU backward's epilogue
+// is bound by instruction issue, and a runtime branch there doubled its code (perf-notes,
+// core v5). kStore (rows grouping) and kSwiGLU add a per-expert bf16 column bias to the
+// accumulators when GemmParams::col_bias is set (the experts' fc2 / fc1 biases).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,9 +71,11 @@ struct TileStorage {
 // when both rows belong to one expert, multicast the B tile (each CTA loads half of it for
 // both), cutting L2->SM traffic by a third. Experimental (MOK_GEMM_CLUSTER=2); default 1.
 template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kCluster_ = 1,
-          int kBN = 256, int kStages = 4>
+          int kBN = 256, int kStages = 4, bool kGlu_ = false>
 struct GemmConfig {
   static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages, kCluster = kCluster_;
+  static constexpr bool kGlu = kGlu_;  // the general GLU instead of SwiGLU (kSwiGLU*)
+  static_assert(!kGlu || kEpi != Epi::kStore, "kGlu applies to the GLU epilogues");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr Grouping group = kGroup;
   static constexpr Epi epi = kEpi;
@@ -146,6 +154,13 @@ struct GemmParams {
   __nv_bfloat16* act_scaled;
   bool reverse_planes;    // kTokensAsK: expert e's output is plane num_experts - 1 - e
                           // (Megatron's grad buffer holds the experts' main_grads backwards)
+  // Cfg::kGlu: act = g' sigmoid(glu_alpha g') (u' + glu_offset), g' = min(g, glu_limit),
+  // u' = clamp(u, -glu_limit, glu_limit) (glu_limit = inf: no clamp).
+  float glu_alpha, glu_limit, glu_offset;
+  // kStore (rows) / kSwiGLU: bf16 bias added to the fp32 accumulators before anything else,
+  // expert e's at col_bias + e * bias_stride (kSwiGLU: gate columns, then up at + N).
+  const __nv_bfloat16* col_bias;
+  int64_t bias_stride;
 };
 
 __device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
@@ -224,6 +239,52 @@ __device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g))
 // instead of the IEEE division's ~10 instructions and slow path; that epilogue is bound by
 // instruction issue (perf-notes, core v5). 1 / inf = 0 for very negative g, as it should.
 __device__ __forceinline__ float sigmoid_fast(float g) { return __fdividef(1.f, 1.f + __expf(-g)); }
+
+// The forward activation of one (gate, up) pair: SwiGLU, or with Cfg::kGlu the general GLU.
+template <class Cfg>
+__device__ __forceinline__ float glu_forward(const GemmParams& p, float g, float u) {
+  if constexpr (!Cfg::kGlu) {
+    return silu_f(g) * u;
+  } else {
+    const float gc = fminf(g, p.glu_limit), uc = fminf(fmaxf(u, -p.glu_limit), p.glu_limit);
+    return gc / (1.f + __expf(-p.glu_alpha * gc)) * (uc + p.glu_offset);
+  }
+}
+
+// The general GLU's backward of one value: d_act = w * acc -> d_gate, d_up into acc; returns
+// act (recomputed: the routed dgrad's <acc, act> and w * act). Gradients pass where the
+// clamp is the identity, bounds included (torch.clamp's backward).
+__device__ __forceinline__ float glu_general_bwd_value(const GemmParams& p, float& acc,
+                                                       float& d_gate, float w, float g, float u) {
+  const float lim = p.glu_limit, alpha = p.glu_alpha;
+  const float gc = fminf(g, lim), uc = fminf(fmaxf(u, -lim), lim), lin = uc + p.glu_offset;
+  const float sig = sigmoid_fast(alpha * gc);
+  const float gate_act = gc * sig;
+  const float d_act = w * acc;
+  d_gate = g <= lim ? d_act * lin * sig * (1.f + alpha * gc * (1.f - sig)) : 0.f;
+  acc = (u >= -lim && u <= lim) ? d_act * gate_act : 0.f;
+  return gate_act * lin;
+}
+
+// Adds bias[c0 + column of accumulator i] (bf16) to accumulators [i0, i0 + kCount) of a
+// thread (column of i: col_t + 8 * ((i - i0) / 4) + i % 2, see EpilogueState), columns past
+// n untouched (their values are clipped by the stores).
+template <int kCount, class Acc>
+__device__ __forceinline__ void add_column_bias(Acc& accum, int i0, const __nv_bfloat16* bias,
+                                                int c0, int n, int col_t) {
+  CUTE_UNROLL
+  for (int b = 0; b < kCount / 4; ++b) {
+    const int c = c0 + col_t + 8 * b;
+    if (c < n) {
+      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + c));
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        accum(i0 + 4 * b + 2 * half) += v.x;
+        accum(i0 + 4 * b + 2 * half + 1) += v.y;
+      }
+    }
+  }
+}
 
 // CUTLASS's mbarrier wait/arrive asm has no "memory" clobber: without this the compiler
 // could move the task queue's plain smem access across them.
@@ -665,6 +726,12 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
   const int m0 = task.m_tile * BM;
   const int row_tile = 2 * task.m_tile + es.wg;  // this warpgroup's 64 rows
   if constexpr (Cfg::epi == Epi::kStore) {
+    if constexpr (Cfg::group == Grouping::kRows) {
+      if (p.col_bias != nullptr && has_k) {
+        add_column_bias<kAcc>(accum, 0, p.col_bias + task.expert * p.bias_stride,
+                              task.n_tile * BN, p.N, es.col_t);
+      }
+    }
     const int plane = Cfg::group == Grouping::kRows ? 0
                       : p.reverse_planes             ? p.num_experts - 1 - task.expert
                                                      : task.expert;
@@ -680,13 +747,18 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
   } else if constexpr (Cfg::epi == Epi::kSwiGLU) {
     // Columns [0, BN/2) of the tile are gate, [BN/2, BN) the matching up columns: in the
     // accumulator a thread holds both, kAcc/2 apart.
+    if (p.col_bias != nullptr) {
+      const __nv_bfloat16* bias = p.col_bias + task.expert * p.bias_stride;
+      add_column_bias<kAcc / 2>(accum, 0, bias, task.n_tile * BNh, p.N, es.col_t);
+      add_column_bias<kAcc / 2>(accum, kAcc / 2, bias + p.N, task.n_tile * BNh, p.N, es.col_t);
+    }
     CUTE_UNROLL
     for (int q = 0; q < BNh / CW; ++q) {
       if ((task.n_tile * BNh + q * CW) < p.N) {
         const int col_chunk = task.n_tile * (BNh / CW) + q;
         emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
-          return make_float2(silu_f(accum(i)) * accum(i + kAcc / 2),
-                             silu_f(accum(i + 1)) * accum(i + 1 + kAcc / 2));
+          return make_float2(glu_forward<Cfg>(p, accum(i), accum(i + kAcc / 2)),
+                             glu_forward<Cfg>(p, accum(i + 1), accum(i + 1 + kAcc / 2)));
         });
         if (p.store_h) {
           CUTE_UNROLL
@@ -726,6 +798,20 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
         hsrc.begin_chunk();
         swiglu_bwd_chunk<Cfg>(es, task, m0, q, hsrc, [&](int i, int l, int half, int r, int c,
                                                          float2 g, float2 u) {
+          if constexpr (Cfg::kGlu) {
+            const float acc0 = accum(i), acc1 = accum(i + 1);
+            const float act0 = glu_general_bwd_value(p, accum(i), dg[l], w[half], g.x, u.x);
+            const float act1 = glu_general_bwd_value(p, accum(i + 1), dg[l + 1], w[half], g.y, u.y);
+            if (scaled) {
+              dot[half] += acc0 * act0;
+              dot[half] += acc1 * act1;
+              if (c < p.N) {
+                const __nv_bfloat162 a = __floats2bfloat162_rn(w[half] * act0, w[half] * act1);
+                *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) = a;
+              }
+            }
+            return;
+          }
           const float sig0 = sigmoid_fast(g.x), sig1 = sigmoid_fast(g.y);
           if (scaled) {
             const float act0 = g.x * sig0 * u.x, act1 = g.y * sig1 * u.y;

@@ -72,7 +72,8 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                   int64_t minibatch_rows, bool scatter, int64_t slots_offset,
                   int64_t hold_tile, const std::optional<at::Tensor>& x_rows,
                   const std::optional<at::Tensor>& dw2, const std::optional<at::Tensor>& dw1,
-                  bool accumulate, bool reverse2, bool reverse1) {
+                  bool accumulate, bool reverse2, bool reverse1, bool glu, double glu_alpha,
+                  double glu_limit, double glu_offset) {
   TORCH_CHECK(dy_local.has_value() == topk_w_local.has_value(),
               "megatron_mok: pass dy and topk_w both local (EP = 1) or both through the arena");
   TORCH_CHECK(dy_offset % 16 == 0 && w_offset % 4 == 0 && slots_offset % 16 == 0,
@@ -184,16 +185,27 @@ void moe_backward(const at::Tensor& peer_base, int64_t dy_offset, int64_t w_offs
                                   int(E));
   auto tma_dx = make_store_atom<CfgX>(rows_view(dx_rows));
   auto tma_h = make_load_h<CfgD>(h);
+  // The dgrad tiles with the SwiGLU or the general GLU backward: the same shapes and boxes.
+  const bool general_glu = set_glu(p.dgrad, glu, glu_alpha, glu_limit, glu_offset);
   auto launch_with = [&](auto cfg_w, auto wtmas) {
     using CfgW = decltype(cfg_w);
-    auto kernel = &megakernel::moe_backward_kernel<CfgD, CfgX, CfgW, decltype(wtmas),
-                                                   decltype(tma_dout), decltype(tma_w2),
-                                                   decltype(tma_dh), decltype(tma_dh_in),
-                                                   decltype(tma_w1), decltype(tma_dx),
-                                                   decltype(tma_h)>;
-    megakernel::launch_cooperative(kernel, sms, CfgD::kThreads, CfgD::kSmemBytes, p, tma_dout,
-                                   tma_w2, tma_dh, tma_dh_halves, tma_dh_in, tma_w1, tma_dx,
-                                   tma_h, wtmas);
+    auto run = [&](auto cfg_d) {
+      using CfgG = decltype(cfg_d);
+      static_assert(CfgG::kSmemBytes == CfgD::kSmemBytes && CfgG::BN == CfgD::BN);
+      auto kernel = &megakernel::moe_backward_kernel<CfgG, CfgX, CfgW, decltype(wtmas),
+                                                     decltype(tma_dout), decltype(tma_w2),
+                                                     decltype(tma_dh), decltype(tma_dh_in),
+                                                     decltype(tma_w1), decltype(tma_dx),
+                                                     decltype(tma_h)>;
+      megakernel::launch_cooperative(kernel, sms, CfgG::kThreads, CfgG::kSmemBytes, p, tma_dout,
+                                     tma_w2, tma_dh, tma_dh_halves, tma_dh_in, tma_w1, tma_dx,
+                                     tma_h, wtmas);
+    };
+    if (general_glu) {
+      run(CfgDgradGlu{});
+    } else {
+      run(CfgD{});
+    }
   };
   if (!with_wgrad) {
     launch_with(CfgWgradBf16<1>{}, megakernel::NoWgrad{});

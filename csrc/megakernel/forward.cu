@@ -63,7 +63,9 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
                  const at::Tensor& counters, const at::Tensor& watchdog, int64_t timeout_ms,
                  int64_t rank, int64_t num_comm, int64_t minibatch_rows, bool direct,
                  bool store_y, int64_t hold_tile, const std::optional<at::Tensor>& probe,
-                 bool scatter) {
+                 bool scatter, const std::optional<at::Tensor>& b1,
+                 const std::optional<at::Tensor>& b2, bool glu, double glu_alpha,
+                 double glu_limit, double glu_offset) {
   check_bf16_cuda(x_rows, "x_rows", 2);
   check_bf16_cuda(w1, "w1", 3);
   check_bf16_cuda(w2, "w2", 3);
@@ -121,6 +123,9 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.fc1 = rows_params(offsets, num_rows, R, I, H, Cfg1::BN / 2);
   p.fc1.store_h = h.has_value();
   p.fc2 = rows_params(offsets, num_rows, R, H, I, Cfg2::BN);
+  set_col_bias(p.fc1, b1, E, 2 * I, x_rows.device(), "b1");
+  set_col_bias(p.fc2, b2, E, H, x_rows.device(), "b2");
+  const bool general_glu = set_glu(p.fc1, glu, glu_alpha, glu_limit, glu_offset);
   p.fc1_shapes = {int(ring_rows), int(H), int(I), int(H), int(2 * E)};
   p.ring_tiles = ring_rows < R ? int(ring_rows / 128) : 0;
   p.fc2_shapes = {int(R), int(I), int(H), int(I), int(E)};
@@ -163,18 +168,28 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   p.store_y = !(direct || spread) || store_y || !scatter;
   if (R == 0) return;
 
-  auto tma_x = make_load_a<Cfg1>(x_rows, make_stride(H, _1{}), int(ring_rows), int(H));
-  auto tma_w1 = make_load_b<Cfg1>(w1, make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E));
-  auto tma_act = make_store_atom<Cfg1>(rows_view(act));
-  auto tma_h = make_store_atom<Cfg1>(h.has_value() ? halves_view(*h) : rows_view(act));
-  auto tma_act_in = make_load_a<Cfg2>(act, make_stride(I, _1{}), int(R), int(I));
-  auto tma_w2 = make_load_b<Cfg2>(w2, make_stride(I, _1{}, H * I), int(H), int(I), int(E));
-  auto tma_y = make_store_atom<Cfg2>(rows_view(y_rows));
-  auto kernel = &megakernel::moe_forward_kernel<Cfg1, Cfg2, decltype(tma_x), decltype(tma_w1),
-                                                decltype(tma_act), decltype(tma_act_in),
-                                                decltype(tma_w2), decltype(tma_y)>;
-  megakernel::launch_cooperative(kernel, sms, Cfg1::kThreads, Cfg1::kSmemBytes, p, tma_x, tma_w1,
-                                 tma_act, tma_h, tma_act_in, tma_w2, tma_y);
+  // fc1's tiles with SwiGLU or the general GLU: the same shapes, TMA boxes and shared memory.
+  auto launch = [&](auto cfg1) {
+    using CfgA = decltype(cfg1);
+    static_assert(CfgA::kSmemBytes == Cfg1::kSmemBytes && CfgA::BN == Cfg1::BN);
+    auto tma_x = make_load_a<CfgA>(x_rows, make_stride(H, _1{}), int(ring_rows), int(H));
+    auto tma_w1 = make_load_b<CfgA>(w1, make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E));
+    auto tma_act = make_store_atom<CfgA>(rows_view(act));
+    auto tma_h = make_store_atom<CfgA>(h.has_value() ? halves_view(*h) : rows_view(act));
+    auto tma_act_in = make_load_a<Cfg2>(act, make_stride(I, _1{}), int(R), int(I));
+    auto tma_w2 = make_load_b<Cfg2>(w2, make_stride(I, _1{}, H * I), int(H), int(I), int(E));
+    auto tma_y = make_store_atom<Cfg2>(rows_view(y_rows));
+    auto kernel = &megakernel::moe_forward_kernel<CfgA, Cfg2, decltype(tma_x), decltype(tma_w1),
+                                                  decltype(tma_act), decltype(tma_act_in),
+                                                  decltype(tma_w2), decltype(tma_y)>;
+    megakernel::launch_cooperative(kernel, sms, CfgA::kThreads, CfgA::kSmemBytes, p, tma_x,
+                                   tma_w1, tma_act, tma_h, tma_act_in, tma_w2, tma_y);
+  };
+  if (general_glu) {
+    launch(CfgFc1Glu{});
+  } else {
+    launch(Cfg1{});
+  }
 }
 
 }  // namespace

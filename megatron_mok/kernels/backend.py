@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from megatron_mok import knobs, routing_errors
 from megatron_mok.config import MoKConfig
 from megatron_mok.kernels import autotune, megakernel, ops
-from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, dgrad_launches,
+from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, bias_grads, dgrad_launches,
                                                expert_launches, fused_wgrad_targets, gather_rows, gemm_core,
                                                rows_combine, shared_forward, weight_grad)
 from megatron_mok.schedule import MoKSchedule
@@ -84,9 +84,12 @@ def route_rows(sched: MoKSchedule, num_tokens: int, topk: int) -> torch.Tensor:
 
 
 def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, shared_w2,
-            keep_ctx: bool, config: Optional[MoKConfig] = None):
+            keep_ctx: bool, config: Optional[MoKConfig] = None, b1=None, b2=None):
+    """(y, KernelSaved or None). The experts' activation comes from config (SwiGLU, or a
+    GLU the epilogues run: ExpertActivation.kernel_runs); b1 / b2 their biases."""
     arena, topk = ws.arena, ws.topk
     config = config or MoKConfig()
+    activation = config.activation
     num_tokens, hidden = x.shape
     topk_idx = sched.topk_idx_all[ws.ep_rank]
     plan = autotune.forward_plan(ws, w1.shape[1] // 2, config)
@@ -95,7 +98,7 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         arena.view("x").copy_(x)
     shared_out = shared_leaves = None
     if shared_w1 is not None:  # independent of the peers: runs before the barrier
-        shared_out, shared_leaves = shared_forward(x, shared_w1, shared_w2, keep_ctx)
+        shared_out, shared_leaves = shared_forward(x, shared_w1, shared_w2, keep_ctx, activation)
     arena.barrier()
     zero_dropped_routes(ws, sched)
     direct = fused and ws.ep_size == 1 and plan.path == "megakernel"
@@ -108,10 +111,12 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         x_rows, act, h, y_rows = megakernel.moe_forward(
             ws, sched, x, w1, w2, save_h=keep_ctx,
             num_comm_sms=0 if spread else plan.num_comm_sms,
-            minibatch_rows=plan.minibatch_rows, direct=direct, scatter=not in_place)
+            minibatch_rows=plan.minibatch_rows, direct=direct, scatter=not in_place,
+            b1=b1, b2=b2, glu=activation.kernel_glu)
     else:
         x_rows, act, h, y_rows = expert_launches(ws, sched, w1, w2, hidden, keep_ctx,
-                                                  push=not in_place)
+                                                  push=not in_place, activation=activation,
+                                                  b1=b1, b2=b2)
     arena.barrier()
     shared_y = None if shared_out is None else shared_out.detach()
     route_row = None
@@ -125,7 +130,9 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     saved = None
     if keep_ctx:  # act and y_rows are not kept: the backward recomputes what it needs from h
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h,
-                            shared_out, shared_leaves, x.detach(), route_row, config)
+                            shared_out, shared_leaves, x.detach(), route_row, config,
+                            None if b1 is None else b1.detach(),
+                            None if b2 is None else b2.detach())
     return y, saved
 
 
@@ -158,7 +165,8 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
     if fused:
         return megakernel.moe_backward(ws, sched, dy.contiguous(), saved.topk_w,
                                        saved.w1.contiguous(), saved.w2.contiguous(), saved.h,
-                                       minibatch_rows=minibatch_rows, wgrad=wgrad)
+                                       minibatch_rows=minibatch_rows, wgrad=wgrad,
+                                       glu=saved.activation.kernel_glu)
     arena = ws.arena
     dy_rows = dy.new_empty(ws.capacity, dy.shape[1])
     row_w = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
@@ -169,8 +177,9 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
 
 def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,
              accumulators=None):
-    """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2). accumulators: (w1's, w2's)
-    ExpertGradAccumulator or None (functional.backward)."""
+    """(dx, d_topk_w, dw1, dw2, d_shared_w1, d_shared_w2, db1, db2); db1 / db2 None
+    without expert biases. accumulators: (w1's, w2's) ExpertGradAccumulator or None
+    (functional.backward)."""
     acc1, acc2 = accumulators or (None, None)
     backward_wgrad_path()  # a bad MOK_BACKWARD_WGRAD raises before any work
     routing_errors.poll(ws.device)  # an error latched by an earlier pass's schedule
@@ -197,6 +206,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     wgrad = fused_wgrad_targets(saved, acc1, acc2) if fused else None
     grads = data_gradients(ws, sched, saved, dy, fused, plan.minibatch_rows, wgrad)
     dots = grads.dots()
+    db1, db2 = bias_grads(saved, grads, sched)
     if saved.route_row is None:  # EP > 1: d_topk_w (and the chain's dx rows) to the owners
         ops.push_rows(None if fused else grads.dx_rows, arena.peer_base, arena.offset("slots"),
                       sched, topk, scalars=dots, scalar_offset=arena.offset("d_topk_w"))
@@ -219,4 +229,4 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         slots = arena.view("slots").view(num_tokens, topk, hidden)
         dx = ops.combine_epilogue(slots, saved.topk_idx, ones, d_shared[0])
         d_topk_w = torch.where(routed, arena.view("d_topk_w").view(num_tokens, topk), 0.0)
-    return dx, d_topk_w, dw1, dw2, d_shared[1], d_shared[2]
+    return dx, d_topk_w, dw1, dw2, d_shared[1], d_shared[2], db1, db2

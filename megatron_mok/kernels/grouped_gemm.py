@@ -13,6 +13,12 @@ outputs, read the counts on the device and never synchronise with the host.
     dgrad_swiglu_routed(dy_rows, row_w, w2, h)   the same with d_out = row_w * dy_rows, also
                                   <dy_rows @ w2[e], act> per column tile and row_w * act
     wgrad(a, b)                   out[e] = a[rows of e]^T @ b[rows of e]   weight gradients
+    segment_column_sums(rows)     out[e] = sum of rows of e (optionally scaled)   bias gradients
+
+`glu` (fc1_swiglu, dgrad_swiglu*): (alpha, limit, offset) of the general GLU epilogues,
+act = g' sigmoid(alpha g') (u' + offset), g' = min(g, limit), u' = clamp(u, -limit, limit)
+(ExpertActivation.kernel_glu; limit inf: no clamp); None: SwiGLU. `bias`: per-expert
+biases added in the epilogue, fc1's [E, 2I] before the activation, fc2's [E, N].
 
 Each output tile has one owner CTA and a fixed K order, so results are bitwise
 independent of the grid size (`max_ctas`, tests) and deterministic run to run.
@@ -37,6 +43,28 @@ def dgrad_col_tiles(inter: int) -> int:
 
 def available() -> bool:
     return ops.extension_available() and hasattr(torch.ops.megatron_mok, "grouped_fc1_swiglu")
+
+
+def glu_args(glu: Optional[tuple]) -> tuple:
+    """The ops' trailing (glu, alpha, limit, offset) arguments."""
+    if glu is None:
+        return False, 1.0, 1.0, 0.0
+    alpha, limit, offset = (float(v) for v in glu)
+    if not (alpha > 0 and limit > 0):
+        raise ValueError(f"megatron_mok: the GLU needs alpha > 0 and a clamp limit > 0 (inf: "
+                         f"no clamp), got alpha={alpha}, limit={limit}")
+    return True, alpha, limit, offset
+
+
+def check_bias(name: str, bias: Optional[torch.Tensor], experts: int, cols: int,
+                like: torch.Tensor) -> None:
+    if bias is None:
+        return
+    _check(name, bias, 2, like.dtype)
+    if tuple(bias.shape) != (experts, cols):
+        raise ValueError(f"megatron_mok: {name} must be [{experts}, {cols}], got "
+                         f"{tuple(bias.shape)}")
+    _check_cuda(**{name: bias, "rows": like})
 
 
 def _check(name: str, t: torch.Tensor, dim: int, dtype=torch.bfloat16) -> None:
@@ -93,10 +121,12 @@ def check_multiple_of_8(**sizes: int) -> None:
 
 
 def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
-               num_rows: torch.Tensor, *, save_h: bool = True, max_ctas: int = 0
+               num_rows: torch.Tensor, *, save_h: bool = True, max_ctas: int = 0,
+               bias: Optional[torch.Tensor] = None, glu: Optional[tuple] = None
                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(act [rows, I], h [rows, 2I] or None): fc1 with SwiGLU in the epilogue (fp32, one
-    rounding of act); h is the bf16 pre-activation the backward needs."""
+    """(act [rows, I], h [rows, 2I] or None): fc1 (+ bias [E, 2I]) with SwiGLU (or the
+    general GLU) in the epilogue (fp32, one rounding of act); h is the bf16 pre-activation
+    (bias included) the backward needs."""
     _check("x_rows", x_rows, 2)
     _check("w1", w1, 3)
     rows, hidden = x_rows.shape
@@ -106,17 +136,20 @@ def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Ten
     _check_table(rows, expert_offsets, w1.shape[0], num_rows)
     check_multiple_of_8(hidden=hidden, inter=inter)
     _check_cuda(x_rows=x_rows, w1=w1, expert_offsets=expert_offsets, num_rows=num_rows)
+    check_bias("b1", bias, w1.shape[0], 2 * inter, x_rows)
+    glu_tail = glu_args(glu)
     act = x_rows.new_empty(rows, inter)
     h = x_rows.new_empty(rows, 2 * inter) if save_h else None
     torch.ops.megatron_mok.grouped_fc1_swiglu(x_rows, w1, expert_offsets, num_rows, act, h,
-                                              max_ctas)
+                                              max_ctas, bias, *glu_tail)
     return act, h
 
 
 def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
-                num_rows: torch.Tensor, w_transposed: bool = False, *, max_ctas: int = 0
-                ) -> torch.Tensor:
-    """a @ w[e]^T (w [E, N, K]) or, with w_transposed, a @ w[e] (w [E, K, N]), per segment."""
+                num_rows: torch.Tensor, w_transposed: bool = False, *, max_ctas: int = 0,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ w[e]^T (w [E, N, K]) or, with w_transposed, a @ w[e] (w [E, K, N]), per segment;
+    + bias[e] ([E, N], fc2's) in the epilogue."""
     _check("a", a, 2)
     _check("w", w, 3)
     rows, k = a.shape
@@ -126,9 +159,10 @@ def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     _check_table(rows, expert_offsets, w.shape[0], num_rows)
     check_multiple_of_8(n=n, k=k)
     _check_cuda(a=a, w=w, expert_offsets=expert_offsets, num_rows=num_rows)
+    check_bias("bias", bias, w.shape[0], n, a)
     out = a.new_empty(rows, n)
     torch.ops.megatron_mok.grouped_gemm_rows(a, w, expert_offsets, num_rows, w_transposed, out,
-                                             max_ctas)
+                                             max_ctas, bias)
     return out
 
 
@@ -150,19 +184,21 @@ def _check_dgrad(d_out, w2, h, expert_offsets, num_rows) -> int:
 
 
 def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
-                 expert_offsets: torch.Tensor, num_rows: torch.Tensor, *, max_ctas: int = 0
-                 ) -> torch.Tensor:
-    """d_h [rows, 2I]: d_act = d_out @ w2[e] in fp32, then the SwiGLU backward at h."""
+                 expert_offsets: torch.Tensor, num_rows: torch.Tensor, *, max_ctas: int = 0,
+                 glu: Optional[tuple] = None) -> torch.Tensor:
+    """d_h [rows, 2I]: d_act = d_out @ w2[e] in fp32, then the SwiGLU (or GLU) backward at h."""
     _check_dgrad(d_out, w2, h, expert_offsets, num_rows)
+    glu_tail = glu_args(glu)
     d_h = torch.empty_like(h)
     torch.ops.megatron_mok.grouped_dgrad_swiglu(d_out, w2, expert_offsets, num_rows, h, d_h,
-                                                max_ctas)
+                                                max_ctas, None, None, None, *glu_tail)
     return d_h
 
 
 def dgrad_swiglu_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Tensor,
                         h: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
-                        *, max_ctas: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        *, max_ctas: int = 0, glu: Optional[tuple] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_h, dots_part, act_scaled) with the router weights applied in the epilogue: acc =
     dy_rows @ w2[e] (fp32), d_act = row_w * acc, d_h the SwiGLU backward at h; dots_part
     [rows, dgrad_col_tiles(I)] fp32 = <acc, act> over each column tile (act = SwiGLU(h)
@@ -173,13 +209,15 @@ def dgrad_swiglu_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Te
         raise ValueError(f"megatron_mok: row_w must be float32 [{dy_rows.shape[0]}], got "
                          f"{row_w.dtype} {tuple(row_w.shape)}")
     _check_cuda(dy_rows=dy_rows, row_w=row_w)
+    glu_tail = glu_args(glu)
     rows = dy_rows.shape[0]
     d_h = torch.empty_like(h)
     dots_part = torch.empty(rows, dgrad_col_tiles(inter), dtype=torch.float32,
                             device=dy_rows.device)
     act_scaled = dy_rows.new_empty(rows, inter)
     torch.ops.megatron_mok.grouped_dgrad_swiglu(dy_rows, w2, expert_offsets, num_rows, h, d_h,
-                                                max_ctas, row_w, dots_part, act_scaled)
+                                                max_ctas, row_w, dots_part, act_scaled,
+                                                *glu_tail)
     return d_h, dots_part, act_scaled
 
 
@@ -228,4 +266,26 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
         return accumulate_into
     out = a.new_empty(*shape, dtype=out_dtype)
     torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, False, max_ctas)
+    return out
+
+
+def segment_column_sums(rows: torch.Tensor, expert_offsets: torch.Tensor,
+                        num_rows: torch.Tensor, scale: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
+    """fp32 [E, N]: out[e] = sum over the rows r of segment e (below num_rows) of
+    scale[r] * rows[r] (scale fp32 [rows], optional), in row order: the experts' bias
+    gradients (fc1's from d_h, fc2's from the dy rows and their router weights)."""
+    _check("rows", rows, 2)
+    count, cols = rows.shape
+    num_experts = expert_offsets.numel() - 1
+    _check_table(count, expert_offsets, num_experts, num_rows)
+    if cols % 2:
+        raise ValueError(f"megatron_mok: rows must have an even number of columns, got {cols}")
+    if scale is not None:
+        _check("scale", scale, 1, torch.float32)
+        if scale.shape[0] != count:
+            raise ValueError(f"megatron_mok: scale must be [{count}], got {tuple(scale.shape)}")
+    _check_cuda(rows=rows, scale=scale, expert_offsets=expert_offsets, num_rows=num_rows)
+    out = torch.empty(num_experts, cols, dtype=torch.float32, device=rows.device)
+    torch.ops.megatron_mok.segment_column_sums(rows, expert_offsets, num_rows, scale, out)
     return out

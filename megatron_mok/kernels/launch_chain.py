@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from megatron_mok import knobs
-from megatron_mok.activations import swiglu, swiglu_backward
+from megatron_mok.activations import SWIGLU, ExpertActivation, glu_backward
 from megatron_mok.config import MoKConfig
 from megatron_mok.kernels import grouped_gemm, megakernel, ops
 from megatron_mok.schedule import MoKSchedule
@@ -35,11 +35,12 @@ def gemm_core() -> str:
     return core
 
 
-def shared_forward(x, shared_w1, shared_w2, keep_graph: bool):
+def shared_forward(x, shared_w1, shared_w2, keep_graph: bool,
+                   activation: ExpertActivation = SWIGLU):
     """Shared expert on this rank's tokens (BF16 GEMMs); keeps its graph for backward."""
     leaves = tuple(t.detach().requires_grad_(keep_graph) for t in (x, shared_w1, shared_w2))
     with torch.enable_grad() if keep_graph else torch.no_grad():
-        act = swiglu(leaves[0] @ leaves[1].t()).to(x.dtype)
+        act = activation(leaves[0] @ leaves[1].t()).to(x.dtype)
         out = act @ leaves[2].t()
     return out, leaves
 
@@ -57,7 +58,14 @@ class KernelSaved:
     shared_leaves: Optional[tuple]
     x: Optional[torch.Tensor] = None  # EP = 1 direct megakernel: x_rows is gathered again
     route_row: Optional[torch.Tensor] = None  # EP = 1 rows combine: row of route (t, k)
-    config: Optional[MoKConfig] = None  # the forward's (the backward plan's autotune flag)
+    config: Optional[MoKConfig] = None  # the forward's (the backward plan's autotune flag;
+                                        # the activation)
+    b1: Optional[torch.Tensor] = None   # the experts' biases (their gradients' dtype), or None
+    b2: Optional[torch.Tensor] = None
+
+    @property
+    def activation(self) -> ExpertActivation:
+        return self.config.activation if self.config is not None else SWIGLU
 
 
 
@@ -71,44 +79,69 @@ def gather_rows(x: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
 
 def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: torch.Tensor,
                    row_w: torch.Tensor, offs: torch.Tensor) -> megakernel.DataGradients:
-    """v1: fc2 dgrad with the router weights and the SwiGLU backward, then fc1 dgrad, as
-    separate launches, from the pulled dy rows and their weights."""
+    """v1: fc2 dgrad with the router weights and the activation's backward, then fc1 dgrad,
+    as separate launches, from the pulled dy rows and their weights."""
+    activation = saved.activation
     if core == "mok":
         d_h, dots_part, act_scaled = grouped_gemm.dgrad_swiglu_routed(
-            dy_rows, row_w, saved.w2, saved.h, sched.expert_offsets, sched.num_rows)
+            dy_rows, row_w, saved.w2, saved.h, sched.expert_offsets, sched.num_rows,
+            glu=activation.kernel_glu)
         dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
                                            w_transposed=True)
     else:
         acc = torch._grouped_mm(dy_rows, saved.w2, offs=offs).float()
-        act = swiglu(saved.h)
+        act = activation(saved.h)
         dots_part = (acc * act).sum(1, keepdim=True)
         w = row_w.unsqueeze(1)
-        d_h = swiglu_backward(saved.h, w * acc).to(saved.h.dtype)
+        d_h = glu_backward(activation, saved.h, w * acc).to(saved.h.dtype)
         act_scaled = (w * act).to(dy_rows.dtype)
         dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
     return megakernel.DataGradients(dy_rows, row_w, dots_part, act_scaled, d_h, dx_rows)
 
 
 def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool,
-                     push: bool = True):
-    """v1: pull, fc1 (+ SwiGLU), fc2 and push (unless the combine reads the rows in
-    place) as separate launches."""
+                     push: bool = True, activation: ExpertActivation = SWIGLU, b1=None, b2=None):
+    """v1: pull, fc1 (+ b1, + the activation), fc2 (+ b2) and push (unless the combine
+    reads the rows in place) as separate launches."""
     arena = ws.arena
     x_rows = w1.new_empty(ws.capacity, hidden)
     ops.pull_rows(arena.peer_base, arena.offset("x"), sched, ws.topk, x_rows)
     if gemm_core() == "mok":
         w1, w2 = w1.contiguous(), w2.contiguous()
         act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
-                                         save_h=keep_ctx)
-        y_rows = grouped_gemm.rows_matmul(act, w2, sched.expert_offsets, sched.num_rows)
+                                         save_h=keep_ctx, bias=b1, glu=activation.kernel_glu)
+        y_rows = grouped_gemm.rows_matmul(act, w2, sched.expert_offsets, sched.num_rows,
+                                          bias=b2)
     else:
         offs = sched.expert_offsets[1:]
         h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
-        act = swiglu(h).to(h.dtype)
+        if b1 is not None:  # per row: the bias of the row's expert (padding rows too)
+            h = h + b1[row_experts(sched, h.shape[0])]
+        act = activation(h).to(h.dtype)
         y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+        if b2 is not None:
+            y_rows = y_rows + b2[row_experts(sched, y_rows.shape[0])]
     if push:
         ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
     return x_rows, act, h, y_rows
+
+
+def row_experts(sched: MoKSchedule, rows: int) -> torch.Tensor:
+    """[rows] int64: the expert of each row-table row (the last expert past the segments)."""
+    r = torch.arange(rows, device=sched.expert_offsets.device, dtype=torch.int32)
+    e = torch.searchsorted(sched.expert_offsets[1:], r, right=True)
+    return e.clamp(max=sched.expert_offsets.numel() - 2)
+
+
+def bias_grads(saved: KernelSaved, grads: "megakernel.DataGradients", sched: MoKSchedule):
+    """(db1, db2) in the biases' dtype, or (None, None) without biases: per-expert column
+    sums of d_h and of the router-weighted dy rows (deterministic, row order)."""
+    if saved.b1 is None:
+        return None, None
+    offsets, num_rows = sched.expert_offsets, sched.num_rows
+    db1 = grouped_gemm.segment_column_sums(grads.d_h, offsets, num_rows)
+    db2 = grouped_gemm.segment_column_sums(grads.dy_rows, offsets, num_rows, scale=grads.row_w)
+    return db1.to(saved.b1.dtype), db2.to(saved.b2.dtype)
 
 
 def weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule,

@@ -62,7 +62,9 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
                 save_h: bool, num_comm_sms: int, minibatch_rows: int,
                 direct: Optional[bool] = None, hold_tile: int = -1,
                 timeout_ms: Optional[int] = None, probe: Optional[torch.Tensor] = None,
-                scatter: bool = True, ring_rows: Optional[int] = None):
+                scatter: bool = True, ring_rows: Optional[int] = None,
+                b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+                glu: Optional[tuple] = None):
     """(x_rows, act, h, y_rows) of the routed expert pass; y rows land in the (token, k)
     slots of the arena of the rank that owns each route.
 
@@ -82,7 +84,10 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     tile; x_rows is then not returned (None): the backward must gather it again.
 
     probe: an int64 [num_SMs, PROBE_SLOTS] CUDA tensor (new_probe) to which every CTA adds
-    its cycle counts (read with probe_summary); None: no probing."""
+    its cycle counts (read with probe_summary); None: no probing.
+
+    b1 [E, 2I] / b2 [E, H]: the experts' biases, added in fc1's and fc2's epilogues; glu:
+    the general GLU's (alpha, limit, offset) instead of SwiGLU (grouped_gemm's module doc)."""
     arena = ws.arena
     if direct is None:
         direct = ws.ep_size == 1
@@ -110,6 +115,9 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
                          f"got {hidden}")
     inter = w1.shape[1] // 2
     grouped_gemm.check_multiple_of_8(hidden=hidden, inter=inter)
+    grouped_gemm.check_bias("b1", b1, w1.shape[0], 2 * inter, x)
+    grouped_gemm.check_bias("b2", b2, w1.shape[0], hidden, x)
+    glu_on, alpha, limit, offset = grouped_gemm.glu_args(glu)
     act = x.new_empty(rows, inter)
     h = x.new_empty(rows, 2 * inter) if save_h else None
     y_rows = x.new_empty(rows, hidden)
@@ -121,7 +129,7 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
         ws.topk, w1, w2, x_rows, act, h, y_rows, ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
         0 if direct else num_comm_sms, minibatch_rows, direct, save_h, hold_tile, probe,
-        scatter)
+        scatter, b1=b1, b2=b2, glu=glu_on, glu_alpha=alpha, glu_limit=limit, glu_offset=offset)
     if direct:
         return None, act, h, (y_rows if save_h or not scatter else None)
     ring = ring_rows is not None and ring_rows < rows
@@ -223,7 +231,8 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
                  w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, *,
                  minibatch_rows: int, hold_tile: int = -1,
                  timeout_ms: Optional[int] = None,
-                 wgrad: Optional["WgradTargets"] = None) -> DataGradients:
+                 wgrad: Optional["WgradTargets"] = None,
+                 glu: Optional[tuple] = None) -> DataGradients:
     """The routed experts' data gradients in one persistent launch
     (csrc/megakernel/backward.cuh), bitwise those of the launch chain: dy rows and their
     router weights pulled (ops.pull_rows), fc2 dgrad with the router weight and the SwiGLU
@@ -236,7 +245,8 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
     (ops.combine_rows). EP > 1: every rank has published its dy and router weights in the
     arena ("dy", "topk_w") and passed a barrier; the kernel pulls from the peers and writes
     dx rows into their owners' "slots" (as push_rows does); dx_rows is then None and
-    topk_w is unused; the caller pushes the dots (DataGradients.dots) to d_topk_w."""
+    topk_w is unused; the caller pushes the dots (DataGradients.dots) to d_topk_w.
+    glu: the general GLU's (alpha, limit, offset) backward instead of SwiGLU's."""
     if minibatch_rows < TILE_M or minibatch_rows % TILE_M:
         raise ValueError(f"megatron_mok: minibatch_rows must be a positive multiple of {TILE_M}, "
                          f"got {minibatch_rows}")
@@ -250,6 +260,7 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
         raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}], got {tuple(h.shape)}")
     if wgrad is not None:
         wgrad.check(rows, hidden, inter, w1.shape[0], dy.device)
+    glu_on, alpha, limit, offset = grouped_gemm.glu_args(glu)
     arena, local = ws.arena, ws.ep_size == 1
     out = DataGradients(
         dy_rows=dy.new_empty(rows, hidden),
@@ -266,7 +277,8 @@ def moe_backward(ws, sched, dy: torch.Tensor, topk_w: Optional[torch.Tensor],
         ws.forward_counters, arena.watchdog,
         arena.WATCHDOG_TIMEOUT_MS if timeout_ms is None else timeout_ms, ws.ep_rank,
         minibatch_rows, not local, arena.offset("slots"), hold_tile,
-        *(wgrad.op_args() if wgrad is not None else ()))
+        *(wgrad.op_args() if wgrad is not None else (None, None, None, False, False, False)),
+        glu=glu_on, glu_alpha=alpha, glu_limit=limit, glu_offset=offset)
     return out
 
 

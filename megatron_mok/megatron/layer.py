@@ -146,9 +146,10 @@ class MokMoELayer(MoELayer):
                              pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
         finally:
             config.moe_token_dispatcher_type = dispatcher_type
-        # The experts' activation from Megatron's flags: SwiGLU runs on the kernel backend,
-        # the others (GPT-OSS's clamped GLU, squared-ReLU, GeLU) on the reference backend.
-        # Expert biases (--add-bias-linear, GPT-OSS) run on the reference backend too.
+        # The experts' activation from Megatron's flags: GLUs of silu or quick_gelu (SwiGLU,
+        # GPT-OSS's clamped GLU with its linear offset) run on the kernel backend, the others
+        # (squared-ReLU, GeLU) on the reference backend. Expert biases (--add-bias-linear,
+        # GPT-OSS) run in the kernel backend's epilogues.
         # FP8: Megatron's --fp8-format e4m3 --fp8-recipe blockwise, or --mok-fp8 blockwise
         # for the MoE layers alone (mok_config).
         mok_config = mok_config or MoKConfig()
