@@ -142,7 +142,8 @@ def test_segment_column_sums_are_exact_per_expert_sums(routing):
         for e in range(len(offs) - 1):
             lo, hi = offs[e], offs[e + 1]
             seg = rows[lo:hi].double() * (1 if s is None else s[lo:hi, None].double())
-            torch.testing.assert_close(out[e].double(), seg.sum(0), rtol=1e-5, atol=1e-5)
+            # fp32 sums of up to 300 rows (~2e-5 off); a row missed or added is ~1 off.
+            torch.testing.assert_close(out[e].double(), seg.sum(0), rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match="scale must be"):
         gg.segment_column_sums(rows, offsets, num_rows, scale=scale[:-1])
 

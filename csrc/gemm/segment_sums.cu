@@ -1,10 +1,14 @@
 // The experts' bias gradients: per-expert column sums over the rows of the row table,
 //   out[e, c] = sum over rows r of segment e (r < num_rows) of scale[r] * rows[r, c]
-// in fp32 (scale optional: the router weights for fc2's bias, none for fc1's). One thread
-// owns a column pair of one expert and adds its rows in row order, so every output has one
-// writer and a fixed order: bitwise deterministic for any grid. Reads the row count and the
-// offsets on the device (no host sync); padding rows are zero rows and add nothing.
+// in fp32 (scale optional: the router weights for fc2's bias, none for fc1's). Two launches:
+// each expert's rows are cut into kSplits fixed slices, one thread sums 8 columns (16-byte
+// loads) of one slice in row order into a partial; then the kSplits partials are added in
+// slice order. Every value has one writer and a fixed order: bitwise deterministic for any
+// grid. (One pass with a thread per column and expert left too few loads in flight where
+// experts are few and long.) Reads the row count and the offsets on the device (no host
+// sync); padding rows are zero rows and add nothing.
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -14,38 +18,63 @@ namespace megatron_mok {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kSplits = 8;  // row slices per expert (a constant: the bits do not depend on it)
 
+__device__ __forceinline__ void add_row(float (&acc)[8], const uint4& v, float w) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p[i]);
+    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+  }
+}
+
+// partial[(s * E + e) * N + 8 j ..] = the sum over slice s of expert e's rows, columns 8 j...
 __global__ void __launch_bounds__(kThreads)
-segment_column_sums_kernel(const __nv_bfloat162* __restrict__ rows, const float* __restrict__ scale,
-                           const int* __restrict__ offsets, const int* __restrict__ num_rows,
-                           int64_t pairs, float2* __restrict__ out) {
-  const int e = blockIdx.y;
-  const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // column pair
-  if (j >= pairs) return;
+segment_column_partials(const uint4* __restrict__ rows, const float* __restrict__ scale,
+                        const int* __restrict__ offsets, const int* __restrict__ num_rows,
+                        int64_t groups, float4* __restrict__ partial) {
+  const int e = blockIdx.y, s = blockIdx.z, E = gridDim.y;
+  const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // group of 8 columns
+  if (j >= groups) return;
   const int used = __ldg(num_rows);
   const int lo = min(__ldg(offsets + e), used), hi = min(__ldg(offsets + e + 1), used);
-  float2 s = make_float2(0.f, 0.f);
+  const int per = (hi - lo + kSplits - 1) / kSplits;
+  const int r0 = min(lo + s * per, hi), r1 = min(r0 + per, hi);
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   // Unrolled so that several rows' loads are in flight; the adds stay in row order.
-#pragma unroll 8
-  for (int r = lo; r < hi; ++r) {
-    const float2 v = __bfloat1622float2(rows[int64_t(r) * pairs + j]);
-    const float w = scale != nullptr ? __ldg(scale + r) : 1.f;
-    s.x = fmaf(w, v.x, s.x);
-    s.y = fmaf(w, v.y, s.y);
+#pragma unroll 4
+  for (int r = r0; r < r1; ++r) {
+    add_row(acc, __ldg(rows + int64_t(r) * groups + j), scale != nullptr ? __ldg(scale + r) : 1.f);
   }
-  out[int64_t(e) * pairs + j] = s;
+  float4* out = partial + (int64_t(s) * E + e) * groups * 2 + 2 * j;
+  out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+}
+
+// out[i] = partial[0][i] + partial[1][i] + ... in slice order (i over E * N values).
+__global__ void __launch_bounds__(kThreads)
+sum_partials(const float* __restrict__ partial, int64_t count, float* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= count) return;
+  float total = 0.f;
+#pragma unroll
+  for (int s = 0; s < kSplits; ++s) total += partial[s * count + i];
+  out[i] = total;
 }
 
 void segment_column_sums_cuda(const at::Tensor& rows, const at::Tensor& offsets,
                               const at::Tensor& num_rows, const std::optional<at::Tensor>& scale,
                               const at::Tensor& out) {
   TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 &&
-                  rows.is_contiguous() && rows.size(1) % 2 == 0,
-              "megatron_mok: rows must be a contiguous bfloat16 [rows, N] CUDA tensor, N even");
+                  rows.is_contiguous() && rows.size(1) % 8 == 0,
+              "megatron_mok: rows must be a contiguous bfloat16 [rows, N] CUDA tensor, N a "
+              "multiple of 8");
   const int64_t R = rows.size(0), N = rows.size(1), E = offsets.numel() - 1;
   TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&
-                  offsets.is_contiguous() && E >= 1,
-              "megatron_mok: expert_offsets must be a contiguous CUDA int32 [E + 1]");
+                  offsets.is_contiguous() && E >= 1 && E < 65536,
+              "megatron_mok: expert_offsets must be a contiguous CUDA int32 [E + 1], E < 65536");
   TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
               "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
   TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
@@ -63,13 +92,19 @@ void segment_column_sums_cuda(const at::Tensor& rows, const at::Tensor& offsets,
   TORCH_CHECK(!scale.has_value() || scale->device() == rows.device(),
               "megatron_mok: scale must be on rows' device");
   c10::cuda::CUDAGuard guard(rows.device());
-  const int64_t pairs = N / 2;
-  if (pairs == 0) return;
-  const dim3 grid(unsigned((pairs + kThreads - 1) / kThreads), unsigned(E));
-  segment_column_sums_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat162*>(rows.data_ptr()),
+  const int64_t groups = N / 8;
+  if (groups == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor partial = at::empty({kSplits, E, N}, out.options());
+  const dim3 grid(unsigned((groups + kThreads - 1) / kThreads), unsigned(E), kSplits);
+  segment_column_partials<<<grid, kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(rows.data_ptr()),
       scale.has_value() ? scale->data_ptr<float>() : nullptr, offsets.data_ptr<int>(),
-      num_rows.data_ptr<int>(), pairs, reinterpret_cast<float2*>(out.data_ptr<float>()));
+      num_rows.data_ptr<int>(), groups, reinterpret_cast<float4*>(partial.data_ptr<float>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t count = E * N;
+  sum_partials<<<unsigned((count + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      partial.data_ptr<float>(), count, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -279,8 +279,7 @@ def segment_column_sums(rows: torch.Tensor, expert_offsets: torch.Tensor,
     count, cols = rows.shape
     num_experts = expert_offsets.numel() - 1
     _check_table(count, expert_offsets, num_experts, num_rows)
-    if cols % 2:
-        raise ValueError(f"megatron_mok: rows must have an even number of columns, got {cols}")
+    check_multiple_of_8(cols=cols)  # 16-byte row pieces
     if scale is not None:
         _check("scale", scale, 1, torch.float32)
         if scale.shape[0] != count:
