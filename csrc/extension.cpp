@@ -92,6 +92,10 @@ TORCH_LIBRARY(megatron_mok, m) {
   // sum of scale[r] * rows[r] (scale optional) over the rows of segment e below num_rows.
   m.def("segment_column_sums(Tensor rows, Tensor expert_offsets, Tensor num_rows, "
         "Tensor? scale, Tensor(a!) out) -> ()");
+  // out [rows] fp32: <rows[r], vecs[expert of r]> (fc2's bias term of the router weight's
+  // gradient, <dy_row, b2[e]>), 0 past num_rows.
+  m.def("segment_row_dots(Tensor rows, Tensor vecs, Tensor expert_offsets, Tensor num_rows, "
+        "Tensor(a!) out) -> ()");
   // accumulate: out (fp32) += the gradient, through TMA reduce-add stores (Megatron's
   // main_grad; one owner per tile, so one add per element: deterministic). out's planes
   // may lie apart (stride(0) >= M * N); reverse_experts: expert e's gradient is plane

@@ -148,6 +148,20 @@ def test_segment_column_sums_are_exact_per_expert_sums(routing):
         gg.segment_column_sums(rows, offsets, num_rows, scale=scale[:-1])
 
 
+@pytest.mark.parametrize("routing", list(COUNTS))
+def test_segment_row_dots_are_each_rows_dot_with_its_experts_vector(routing):
+    offsets, num_rows, capacity, real, offs = _table(COUNTS[routing])
+    rows = _rand(capacity, 2888, seed=31, real=real)
+    vecs = _rand(len(offs) - 1, 2888, seed=32)
+    out = gg.segment_row_dots(rows, vecs, offsets, num_rows)
+    assert torch.equal(out, gg.segment_row_dots(rows, vecs, offsets, num_rows))
+    for e in range(len(offs) - 1):
+        lo, hi = offs[e], offs[e + 1]
+        ref = rows[lo:hi].double() @ vecs[e].double()
+        torch.testing.assert_close(out[lo:hi].double(), ref, rtol=1e-4, atol=1e-3)
+    assert torch.count_nonzero(out[offs[-1]:]) == 0  # past num_rows
+
+
 def _layer_inputs(seed, hidden=512, inter=384, experts=8, topk=4, tokens=600):
     inputs = make_moe_inputs(num_tokens=tokens, hidden=hidden, inter=inter,
                              num_local_experts=experts, topk=topk, seed=seed,

@@ -64,6 +64,76 @@ sum_partials(const float* __restrict__ partial, int64_t count, float* __restrict
   out[i] = total;
 }
 
+// out[r] = <rows[r], vecs[e(r)]> in fp32 for the rows below num_rows (e(r): the segment of
+// row r), 0 past them. One warp per row, a fixed butterfly: deterministic.
+__global__ void __launch_bounds__(kThreads)
+segment_row_dots_kernel(const uint4* __restrict__ rows, const uint4* __restrict__ vecs,
+                        const int* __restrict__ offsets, int num_experts,
+                        const int* __restrict__ num_rows, int64_t groups, int64_t count,
+                        float* __restrict__ out) {
+  const int64_t r = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= count) return;
+  if (r >= __ldg(num_rows)) {
+    if (lane == 0) out[r] = 0.f;
+    return;
+  }
+  int lo = 0, hi = num_experts - 1;  // the last e with offsets[e] <= r
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offsets + mid) <= r) lo = mid; else hi = mid - 1;
+  }
+  float acc = 0.f;
+  for (int64_t j = lane; j < groups; j += 32) {
+    const uint4 a = __ldg(rows + r * groups + j), b = __ldg(vecs + lo * groups + j);
+    const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+      acc = fmaf(fa.x, fb.x, acc);
+      acc = fmaf(fa.y, fb.y, acc);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) out[r] = acc;
+}
+
+void segment_row_dots_cuda(const at::Tensor& rows, const at::Tensor& vecs,
+                           const at::Tensor& offsets, const at::Tensor& num_rows,
+                           const at::Tensor& out) {
+  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 &&
+                  rows.is_contiguous() && rows.size(1) % 8 == 0,
+              "megatron_mok: rows must be a contiguous bfloat16 [rows, N] CUDA tensor, N a "
+              "multiple of 8");
+  const int64_t R = rows.size(0), N = rows.size(1), E = offsets.numel() - 1;
+  TORCH_CHECK(vecs.is_cuda() && vecs.scalar_type() == at::kBFloat16 && vecs.is_contiguous() &&
+                  vecs.dim() == 2 && vecs.size(0) == E && vecs.size(1) == N,
+              "megatron_mok: vecs must be a contiguous bfloat16 [", E, ", ", N, "]");
+  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && E >= 1,
+              "megatron_mok: expert_offsets must be a contiguous CUDA int32 [E + 1]");
+  TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
+              "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.numel() == R,
+              "megatron_mok: out must be a contiguous float32 [", R, "]");
+  for (const at::Tensor* t : {&vecs, &offsets, &num_rows, &out}) {
+    TORCH_CHECK(t->device() == rows.device(), "megatron_mok: segment_row_dots' tensors must be "
+                "on one device");
+  }
+  c10::cuda::CUDAGuard guard(rows.device());
+  if (R == 0) return;
+  constexpr int kRowsPerBlock = kThreads / 32;
+  segment_row_dots_kernel<<<unsigned((R + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0,
+                            at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const uint4*>(rows.data_ptr()),
+      reinterpret_cast<const uint4*>(vecs.data_ptr()), offsets.data_ptr<int>(), int(E),
+      num_rows.data_ptr<int>(), N / 8, R, out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void segment_column_sums_cuda(const at::Tensor& rows, const at::Tensor& offsets,
                               const at::Tensor& num_rows, const std::optional<at::Tensor>& scale,
                               const at::Tensor& out) {
@@ -112,6 +182,7 @@ void segment_column_sums_cuda(const at::Tensor& rows, const at::Tensor& offsets,
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("segment_column_sums", &segment_column_sums_cuda);
+  m.impl("segment_row_dots", &segment_row_dots_cuda);
 }
 
 }  // namespace megatron_mok

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from megatron_mok import knobs, routing_errors
 from megatron_mok.config import MoKConfig
-from megatron_mok.kernels import autotune, megakernel, ops
+from megatron_mok.kernels import autotune, grouped_gemm, megakernel, ops
 from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, bias_grads, dgrad_launches,
                                                expert_launches, fused_wgrad_targets, gather_rows, gemm_core,
                                                rows_combine, shared_forward, weight_grad)
@@ -205,7 +205,10 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         saved.x_rows = gather_rows(saved.x, sched)
     wgrad = fused_wgrad_targets(saved, acc1, acc2) if fused else None
     grads = data_gradients(ws, sched, saved, dy, fused, plan.minibatch_rows, wgrad)
-    dots = grads.dots()
+    dots = grads.dots()  # <dy, act @ w2^T> per row
+    if saved.b2 is not None:  # y_row includes fc2's bias: d_topk_w gets <dy, b2[e]> too
+        dots = dots + grouped_gemm.segment_row_dots(grads.dy_rows, saved.b2.contiguous(),
+                                                    sched.expert_offsets, sched.num_rows)
     db1, db2 = bias_grads(saved, grads, sched)
     if saved.route_row is None:  # EP > 1: d_topk_w (and the chain's dx rows) to the owners
         ops.push_rows(None if fused else grads.dx_rows, arena.peer_base, arena.offset("slots"),

@@ -14,6 +14,7 @@ outputs, read the counts on the device and never synchronise with the host.
                                   <dy_rows @ w2[e], act> per column tile and row_w * act
     wgrad(a, b)                   out[e] = a[rows of e]^T @ b[rows of e]   weight gradients
     segment_column_sums(rows)     out[e] = sum of rows of e (optionally scaled)   bias gradients
+    segment_row_dots(rows, vecs)  out[r] = <rows[r], vecs[e of r]>   b2's part of d_topk_w
 
 `glu` (fc1_swiglu, dgrad_swiglu*): (alpha, limit, offset) of the general GLU epilogues,
 act = g' sigmoid(alpha g') (u' + offset), g' = min(g, limit), u' = clamp(u, -limit, limit)
@@ -287,4 +288,23 @@ def segment_column_sums(rows: torch.Tensor, expert_offsets: torch.Tensor,
     _check_cuda(rows=rows, scale=scale, expert_offsets=expert_offsets, num_rows=num_rows)
     out = torch.empty(num_experts, cols, dtype=torch.float32, device=rows.device)
     torch.ops.megatron_mok.segment_column_sums(rows, expert_offsets, num_rows, scale, out)
+    return out
+
+
+def segment_row_dots(rows: torch.Tensor, vecs: torch.Tensor, expert_offsets: torch.Tensor,
+                     num_rows: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows]: <rows[r], vecs[e]> for the rows r of segment e (0 past num_rows), one
+    fixed-order reduction per row: fc2's bias term of the router weights' gradient."""
+    _check("rows", rows, 2)
+    count, cols = rows.shape
+    num_experts = expert_offsets.numel() - 1
+    _check_table(count, expert_offsets, num_experts, num_rows)
+    check_multiple_of_8(cols=cols)
+    _check("vecs", vecs, 2)
+    if tuple(vecs.shape) != (num_experts, cols):
+        raise ValueError(f"megatron_mok: vecs must be [{num_experts}, {cols}], got "
+                         f"{tuple(vecs.shape)}")
+    _check_cuda(rows=rows, vecs=vecs, expert_offsets=expert_offsets, num_rows=num_rows)
+    out = torch.empty(count, dtype=torch.float32, device=rows.device)
+    torch.ops.megatron_mok.segment_row_dots(rows, vecs, expert_offsets, num_rows, out)
     return out
