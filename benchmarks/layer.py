@@ -149,16 +149,16 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
     x_perm = x.index_select(0, order // topk)                     # permute
     h = grouped_linear(x_perm, w1, offs)                          # fc1 [TK, 2I]
     expert_of = key.index_select(0, order).clamp(max=num_experts - 1) if b1 is not None else None
-    if b1 is not None:
-        h = h + b1.index_select(0, expert_of)
+    if b1 is not None:  # in fp32: the bias gradients then sum in fp32 too
+        h = h + b1.float().index_select(0, expert_of)
     if activation is None:
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate) * up                                   # SwiGLU
     else:
-        act = activation(h).to(h.dtype)
+        act = activation(h).to(x.dtype)
     out = grouped_linear(act, w2, offs)                           # fc2 [TK, H]
     if b2 is not None:
-        out = out + b2.index_select(0, expert_of)
+        out = out + b2.float().index_select(0, expert_of)
     inverse = torch.empty_like(order).scatter_(
         0, order, torch.arange(order.numel(), device=x.device))
     slots = out.index_select(0, inverse).view(num_tokens, topk, hidden)  # unpermute

@@ -61,11 +61,13 @@ def test_fc1_glu_with_bias_and_fc2_bias_match_fp32(activation, routing, hidden, 
     w2 = _rand(E, hidden, inter, seed=4, scale=inter ** -0.5)
     b2 = _rand(E, hidden, seed=5)
     glu = activation.kernel_glu
+    used = int(num_rows.item())  # rows past it are never written
     act, h = gg.fc1_swiglu(x, w1, offsets, num_rows, bias=b1, glu=glu)
     act_1, h_1 = gg.fc1_swiglu(x, w1, offsets, num_rows, bias=b1, glu=glu, max_ctas=3)
-    assert torch.equal(act, act_1) and torch.equal(h, h_1)
+    assert torch.equal(act[:used], act_1[:used]) and torch.equal(h[:used], h_1[:used])
     y = gg.rows_matmul(act, w2, offsets, num_rows, bias=b2)
-    assert torch.equal(y, gg.rows_matmul(act, w2, offsets, num_rows, bias=b2, max_ctas=5))
+    y_1 = gg.rows_matmul(act, w2, offsets, num_rows, bias=b2, max_ctas=5)
+    assert torch.equal(y[:used], y_1[:used])
     clamped = 0
     for e, lo, hi in _segments(offs):
         h_ref = x[lo:hi].float() @ w1[e].float().t() + b1[e].float()
@@ -167,7 +169,11 @@ def _layer_inputs(seed, hidden=512, inter=384, experts=8, topk=4, tokens=600):
                              num_local_experts=experts, topk=topk, seed=seed,
                              drop_fraction=0.05, device="cuda")
     g = torch.Generator().manual_seed(seed + 7)
-    inputs["w1"] = (inputs["w1"].float() * 4).bfloat16()  # h past GPT-OSS's clamp of 7
+    # |h| past GPT-OSS's clamp of 7 for ~0.1 % of the values. (Near the clamp the kernels'
+    # backward masks the gradient by the bf16 h the forward saved, the fp32 spec by its fp32
+    # h: a value within one bf16 step of the clamp can fall on the other side. Measured on
+    # an H100: with w1 scaled 4x (|h| > 7 for ~8 %) that alone put dx 2.8 % off the spec.)
+    inputs["w1"] = (inputs["w1"].float() * 2).bfloat16()
     inputs["b1"] = (torch.randn(experts, 2 * inter, generator=g)).bfloat16().cuda()
     inputs["b2"] = (torch.randn(experts, hidden, generator=g) * 0.1).bfloat16().cuda()
     return inputs
@@ -189,6 +195,9 @@ def test_layer_with_glu_and_biases_matches_reference_on_every_path(activation, m
     inputs = _layer_inputs(seed=5)
     dy = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(6)).bfloat16().cuda()
     kernel = MoKConfig(backend="kernel", activation=activation, expert_bias=True)
+    if activation.clamp is not None:  # the clamp is exercised
+        h = inputs["x"].float() @ inputs["w1"].float().flatten(0, 1).t()
+        assert int((h.abs() > activation.clamp).sum()) > 100
     y_ref, g_ref = _run(inputs, MoKConfig(backend="reference", activation=activation,
                                           expert_bias=True), dy)
     results = {}
