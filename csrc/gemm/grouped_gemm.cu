@@ -149,6 +149,8 @@ void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
     p.store_h = true;
   }
   set_col_bias(p, bias, E, 2 * I, x_rows.device(), "b1");
+  TORCH_CHECK(!bias.has_value() || glu, "megatron_mok: fc1's bias runs in the general GLU "
+              "epilogue: pass glu (SwiGLU: alpha 1, limit inf, offset 0)");
   const OutView act_view = rows_view(act);
   const OutView h_view = h.has_value() ? halves_view(*h) : act_view;
   auto run = [&](auto cfg) {
@@ -177,8 +179,16 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   TORCH_CHECK(out.size(0) == R && out.size(1) == N, "megatron_mok: out must be [rows, N]");
   c10::cuda::CUDAGuard guard(a.device());
-  // The ping-pong kernel's epilogue adds no bias: biased GEMMs run cooperatively.
-  if (pingpong() && cluster_size() == 1 && !bias.has_value()) {
+  if (bias.has_value()) {  // the general kStore tiles (clusters of 1, cooperative)
+    TORCH_CHECK(!w_transposed, "megatron_mok: a bias is fc2's: w [E, N, K], not transposed");
+    GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNTBias::BN);
+    set_col_bias(p, bias, E, N, a.device(), "bias");
+    launch<CfgRowsNTBias>(p, a, make_stride(K, _1{}), int(R), int(K), w,
+                          make_stride(K, _1{}, N * K), int(N), int(K), int(E), rows_view(out),
+                          rows_view(out), max_ctas);
+    return;
+  }
+  if (pingpong() && cluster_size() == 1) {
     if (w_transposed) {
       GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNNPing::BN);
       launch<CfgRowsNNPing, false, false, true>(p, a, make_stride(K, _1{}), int(R), int(K), w,
@@ -194,7 +204,6 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
   }
   if (w_transposed) {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNN<1>::BN);
-    set_col_bias(p, bias, E, N, a.device(), "bias");
     with_cluster<CfgRowsNN>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
                             make_stride(_1{}, N, K * N), int(N), int(K), int(E),
@@ -202,7 +211,6 @@ void grouped_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& w, const at::
     });
   } else {
     GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgRowsNT<1>::BN);
-    set_col_bias(p, bias, E, N, a.device(), "bias");
     with_cluster<CfgRowsNT>([&](auto cfg) {
       launch<decltype(cfg)>(p, a, make_stride(K, _1{}), int(R), int(K), w,
                             make_stride(K, _1{}, N * K), int(N), int(K), int(E),

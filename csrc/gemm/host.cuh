@@ -27,9 +27,12 @@ using CfgRowsNN = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi
 template <int C>
 using CfgDgradSwiGLU =
     gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd, __nv_bfloat16, C>;
-// The same two with the general GLU epilogues (kGlu; clusters of 1 only).
+// The general variants (kGlu; clusters of 1 only): the GLU epilogues with their parameters
+// and the bias adds (fc1 + GLU + b1, fc2 + b2).
 using CfgFc1Glu = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kSwiGLU,
                                    __nv_bfloat16, 1, 256, 4, true>;
+using CfgRowsNTBias = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kStore,
+                                       __nv_bfloat16, 1, 256, 4, true>;
 using CfgDgradGlu = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd,
                                      __nv_bfloat16, 1, 256, 4, true>;
 // Core v6 ping-pong (MOK_GEMM_PINGPONG=1): 128 x 128 tiles per consumer warpgroup,

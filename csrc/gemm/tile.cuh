@@ -23,13 +23,15 @@
 //
 // Epilogues: kStore (D = acc), kSwiGLU (B tile = gate rows + matching up rows, writes
 // act = silu(gate) * up and optionally h = [gate, up] in bf16), kSwiGLUBwd (acc = d_act;
-// reads h, writes d_h = [d_gate, d_up]). With kGlu the two GLU epilogues compute the
-// general GLU of the spec (activations.py) instead of SwiGLU: act = g' sigmoid(alpha g')
-// (u' + offset), g' = min(g, c), u' = clamp(u, -c, c) (GPT-OSS: alpha 1.702, c 7, offset
-// 1), its parameters in GemmParams. A compile-time variant: the SwiGLU backward's epilogue
-// is bound by instruction issue, and a runtime branch there doubled its code (perf-notes,
-// core v5). kStore (rows grouping) and kSwiGLU add a per-expert bf16 column bias to the
-// accumulators when GemmParams::col_bias is set (the experts' fc2 / fc1 biases).
+// reads h, writes d_h = [d_gate, d_up]). kGlu selects the general variants: the two GLU
+// epilogues compute the general GLU of the spec (activations.py) instead of SwiGLU: act =
+// g' sigmoid(alpha g') (u' + offset), g' = min(g, c), u' = clamp(u, -c, c) (GPT-OSS: alpha
+// 1.702, c 7, offset 1; SwiGLU: 1, inf, 0), its parameters in GemmParams; kStore (rows
+// grouping) and kSwiGLU add a per-expert bf16 column bias to the accumulators when
+// GemmParams::col_bias is set (the experts' fc2 / fc1 biases). Compile-time variants, so
+// that the plain kernels keep their code: the SwiGLU backward's epilogue is bound by
+// instruction issue (a runtime branch there doubled its code, perf-notes core v5), and the
+// untaken bias branches measured ~2 % on qwen3's forward (perf-notes, GLU epilogues).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -74,8 +76,7 @@ template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, i
           int kBN = 256, int kStages = 4, bool kGlu_ = false>
 struct GemmConfig {
   static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages, kCluster = kCluster_;
-  static constexpr bool kGlu = kGlu_;  // the general GLU instead of SwiGLU (kSwiGLU*)
-  static_assert(!kGlu || kEpi != Epi::kStore, "kGlu applies to the GLU epilogues");
+  static constexpr bool kGlu = kGlu_;  // the general variants: GLU parameters, biases
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr Grouping group = kGroup;
   static constexpr Epi epi = kEpi;
@@ -157,8 +158,9 @@ struct GemmParams {
   // Cfg::kGlu: act = g' sigmoid(glu_alpha g') (u' + glu_offset), g' = min(g, glu_limit),
   // u' = clamp(u, -glu_limit, glu_limit) (glu_limit = inf: no clamp).
   float glu_alpha, glu_limit, glu_offset;
-  // kStore (rows) / kSwiGLU: bf16 bias added to the fp32 accumulators before anything else,
-  // expert e's at col_bias + e * bias_stride (kSwiGLU: gate columns, then up at + N).
+  // Cfg::kGlu, kStore (rows) / kSwiGLU: bf16 bias added to the fp32 accumulators before
+  // anything else, expert e's at col_bias + e * bias_stride (kSwiGLU: gate columns, then up
+  // at + N); nullptr: none.
   const __nv_bfloat16* col_bias;
   int64_t bias_stride;
 };
@@ -726,7 +728,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
   const int m0 = task.m_tile * BM;
   const int row_tile = 2 * task.m_tile + es.wg;  // this warpgroup's 64 rows
   if constexpr (Cfg::epi == Epi::kStore) {
-    if constexpr (Cfg::group == Grouping::kRows) {
+    if constexpr (Cfg::group == Grouping::kRows && Cfg::kGlu) {
       if (p.col_bias != nullptr && has_k) {
         add_column_bias<kAcc>(accum, 0, p.col_bias + task.expert * p.bias_stride,
                               task.n_tile * BN, p.N, es.col_t);
@@ -747,7 +749,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
   } else if constexpr (Cfg::epi == Epi::kSwiGLU) {
     // Columns [0, BN/2) of the tile are gate, [BN/2, BN) the matching up columns: in the
     // accumulator a thread holds both, kAcc/2 apart.
-    if (p.col_bias != nullptr) {
+    if (Cfg::kGlu && p.col_bias != nullptr) {
       const __nv_bfloat16* bias = p.col_bias + task.expert * p.bias_stride;
       add_column_bias<kAcc / 2>(accum, 0, bias, task.n_tile * BNh, p.N, es.col_t);
       add_column_bias<kAcc / 2>(accum, kAcc / 2, bias + p.N, task.n_tile * BNh, p.N, es.col_t);

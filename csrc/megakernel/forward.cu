@@ -126,6 +126,9 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   set_col_bias(p.fc1, b1, E, 2 * I, x_rows.device(), "b1");
   set_col_bias(p.fc2, b2, E, H, x_rows.device(), "b2");
   const bool general_glu = set_glu(p.fc1, glu, glu_alpha, glu_limit, glu_offset);
+  TORCH_CHECK(!(b1.has_value() || b2.has_value()) || general_glu, "megatron_mok: the experts' "
+              "biases run in the general GLU epilogues: pass glu (SwiGLU: alpha 1, limit inf, "
+              "offset 0)");
   p.fc1_shapes = {int(ring_rows), int(H), int(I), int(H), int(2 * E)};
   p.ring_tiles = ring_rows < R ? int(ring_rows / 128) : 0;
   p.fc2_shapes = {int(R), int(I), int(H), int(I), int(E)};
@@ -169,26 +172,28 @@ void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
   if (R == 0) return;
 
   // fc1's tiles with SwiGLU or the general GLU: the same shapes, TMA boxes and shared memory.
-  auto launch = [&](auto cfg1) {
+  auto launch = [&](auto cfg1, auto cfg2) {
     using CfgA = decltype(cfg1);
-    static_assert(CfgA::kSmemBytes == Cfg1::kSmemBytes && CfgA::BN == Cfg1::BN);
+    using CfgB = decltype(cfg2);
+    static_assert(CfgA::kSmemBytes == Cfg1::kSmemBytes && CfgA::BN == Cfg1::BN &&
+                  CfgB::kSmemBytes == Cfg2::kSmemBytes && CfgB::BN == Cfg2::BN);
     auto tma_x = make_load_a<CfgA>(x_rows, make_stride(H, _1{}), int(ring_rows), int(H));
     auto tma_w1 = make_load_b<CfgA>(w1, make_stride(H, _1{}, I * H), int(I), int(H), int(2 * E));
     auto tma_act = make_store_atom<CfgA>(rows_view(act));
     auto tma_h = make_store_atom<CfgA>(h.has_value() ? halves_view(*h) : rows_view(act));
-    auto tma_act_in = make_load_a<Cfg2>(act, make_stride(I, _1{}), int(R), int(I));
-    auto tma_w2 = make_load_b<Cfg2>(w2, make_stride(I, _1{}, H * I), int(H), int(I), int(E));
-    auto tma_y = make_store_atom<Cfg2>(rows_view(y_rows));
-    auto kernel = &megakernel::moe_forward_kernel<CfgA, Cfg2, decltype(tma_x), decltype(tma_w1),
+    auto tma_act_in = make_load_a<CfgB>(act, make_stride(I, _1{}), int(R), int(I));
+    auto tma_w2 = make_load_b<CfgB>(w2, make_stride(I, _1{}, H * I), int(H), int(I), int(E));
+    auto tma_y = make_store_atom<CfgB>(rows_view(y_rows));
+    auto kernel = &megakernel::moe_forward_kernel<CfgA, CfgB, decltype(tma_x), decltype(tma_w1),
                                                   decltype(tma_act), decltype(tma_act_in),
                                                   decltype(tma_w2), decltype(tma_y)>;
     megakernel::launch_cooperative(kernel, sms, CfgA::kThreads, CfgA::kSmemBytes, p, tma_x,
                                    tma_w1, tma_act, tma_h, tma_act_in, tma_w2, tma_y);
   };
   if (general_glu) {
-    launch(CfgFc1Glu{});
+    launch(CfgFc1Glu{}, CfgRowsNTBias{});  // the general variants: GLU, b1 and b2
   } else {
-    launch(Cfg1{});
+    launch(Cfg1{}, Cfg2{});
   }
 }
 

@@ -559,7 +559,7 @@ __device__ __forceinline__ void scatter_rows_epilogue(Storage& smem, gemm::Epilo
   constexpr int BN = Cfg::BN, CW = Cfg::kChunkCols;
   static_assert(CW == 64, "bf16 chunks of 64 columns: 8 pieces of 16 bytes per row");
   Tensor mO = tma_y.get_tma_tensor(make_shape(g.rows_cap, g.N, 1));
-  if (g.col_bias != nullptr) {  // fc2's bias (the experts' b2)
+  if (Cfg::kGlu && g.col_bias != nullptr) {  // fc2's bias (the experts' b2)
     gemm::add_column_bias<BN / 2>(accum, 0, g.col_bias + task.expert * g.bias_stride,
                                   task.n_tile * BN, g.N, es.col_t);
   }

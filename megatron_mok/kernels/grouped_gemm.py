@@ -46,6 +46,11 @@ def available() -> bool:
     return ops.extension_available() and hasattr(torch.ops.megatron_mok, "grouped_fc1_swiglu")
 
 
+# SwiGLU as the general GLU (alpha 1, no clamp, no offset): where fc1 has a bias, since the
+# bias adds live in the general epilogues only (the plain ones keep their code).
+SWIGLU_AS_GLU = (1.0, float("inf"), 0.0)
+
+
 def glu_args(glu: Optional[tuple]) -> tuple:
     """The ops' trailing (glu, alpha, limit, offset) arguments."""
     if glu is None:
@@ -138,7 +143,7 @@ def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Ten
     check_multiple_of_8(hidden=hidden, inter=inter)
     _check_cuda(x_rows=x_rows, w1=w1, expert_offsets=expert_offsets, num_rows=num_rows)
     check_bias("b1", bias, w1.shape[0], 2 * inter, x_rows)
-    glu_tail = glu_args(glu)
+    glu_tail = glu_args(SWIGLU_AS_GLU if glu is None and bias is not None else glu)
     act = x_rows.new_empty(rows, inter)
     h = x_rows.new_empty(rows, 2 * inter) if save_h else None
     torch.ops.megatron_mok.grouped_fc1_swiglu(x_rows, w1, expert_offsets, num_rows, act, h,
@@ -161,6 +166,9 @@ def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     check_multiple_of_8(n=n, k=k)
     _check_cuda(a=a, w=w, expert_offsets=expert_offsets, num_rows=num_rows)
     check_bias("bias", bias, w.shape[0], n, a)
+    if bias is not None and w_transposed:
+        raise ValueError("megatron_mok: rows_matmul's bias is fc2's (w [E, N, K], not "
+                         "w_transposed)")
     out = a.new_empty(rows, n)
     torch.ops.megatron_mok.grouped_gemm_rows(a, w, expert_offsets, num_rows, w_transposed, out,
                                              max_ctas, bias)
