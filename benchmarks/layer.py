@@ -153,7 +153,7 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
         h = h + b1.float().index_select(0, expert_of)
     if activation is None:
         gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up                                   # SwiGLU
+        act = (F.silu(gate) * up).to(x.dtype)                     # SwiGLU
     else:
         act = activation(h).to(x.dtype)
     out = grouped_linear(act, w2, offs)                           # fc2 [TK, H]
@@ -169,8 +169,13 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
         slots = torch.where(valid.unsqueeze(-1), slots, torch.zeros_like(slots))
     y = (slots * weights.unsqueeze(-1)).sum(dim=1)                # fp32 weighted sum
     if shared_w1 is not None:
-        sg, su = (x @ shared_w1.t()).chunk(2, dim=-1)
-        y = y + ((F.silu(sg) * su) @ shared_w2.t()).float()
+        sh = x @ shared_w1.t()
+        if activation is None:
+            sg, su = sh.chunk(2, dim=-1)
+            shared_act = F.silu(sg) * su
+        else:
+            shared_act = activation(sh).to(x.dtype)
+        y = y + (shared_act @ shared_w2.t()).float()
     return y.to(x.dtype)
 
 

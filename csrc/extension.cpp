@@ -74,10 +74,11 @@ TORCH_LIBRARY(megatron_mok, m) {
   // grid (tests: results must not depend on it).
   // bias: fc1's per-expert bias [E, 2I] (gate, up), added before the activation (h holds
   // it). glu: the general GLU act = g' sigmoid(alpha g') (u' + offset), g' = min(g, limit),
-  // u' = clamp(u, -limit, limit) (limit inf: no clamp) instead of SwiGLU.
+  // u' = clamp(u, -limit, limit) (limit inf: no clamp) instead of SwiGLU; with glu the
+  // limit must be given (its default is refused).
   m.def("grouped_fc1_swiglu(Tensor x_rows, Tensor w1, Tensor expert_offsets, Tensor num_rows, "
         "Tensor(a!) act, Tensor(b!)? h, int max_ctas, Tensor? bias=None, bool glu=False, "
-        "float glu_alpha=1.0, float glu_limit=1.0, float glu_offset=0.0) -> ()");
+        "float glu_alpha=1.0, float glu_limit=-1.0, float glu_offset=0.0) -> ()");
   // bias: a per-expert column bias [E, N] added to the output (fc2's).
   m.def("grouped_gemm_rows(Tensor a, Tensor w, Tensor expert_offsets, Tensor num_rows, "
         "bool w_transposed, Tensor(a!) out, int max_ctas, Tensor? bias=None) -> ()");
@@ -87,7 +88,7 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("grouped_dgrad_swiglu(Tensor dy_rows, Tensor w2, Tensor expert_offsets, "
         "Tensor num_rows, Tensor h, Tensor(a!) d_h, int max_ctas, Tensor? row_w=None, "
         "Tensor(b!)? dots_part=None, Tensor(c!)? act_scaled=None, bool glu=False, "
-        "float glu_alpha=1.0, float glu_limit=1.0, float glu_offset=0.0) -> ()");
+        "float glu_alpha=1.0, float glu_limit=-1.0, float glu_offset=0.0) -> ()");
   // The experts' bias gradients (csrc/gemm/segment_sums.cu): out [E, N] fp32, out[e] = the
   // sum of scale[r] * rows[r] (scale optional) over the rows of segment e below num_rows.
   m.def("segment_column_sums(Tensor rows, Tensor expert_offsets, Tensor num_rows, "
@@ -117,7 +118,7 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor(c!)? h, Tensor(d!) y_rows, Tensor(e!) counters, Tensor(f!) watchdog, "
         "int timeout_ms, int rank, int num_comm, int minibatch_rows, bool direct, bool store_y, "
         "int hold_tile, Tensor(g!)? probe=None, bool scatter=True, Tensor? b1=None, "
-        "Tensor? b2=None, bool glu=False, float glu_alpha=1.0, float glu_limit=1.0, "
+        "Tensor? b2=None, bool glu=False, float glu_alpha=1.0, float glu_limit=-1.0, "
         "float glu_offset=0.0) -> ()");
   // The backward megakernel (megakernel/backward.cuh): dy_rows = the dy rows of the table
   // (unscaled) and row_w their router weights, then fc2 dgrad with the weight and the
@@ -137,7 +138,7 @@ TORCH_LIBRARY(megatron_mok, m) {
         "int timeout_ms, int rank, int minibatch_rows, bool scatter, int slots_offset, "
         "int hold_tile, Tensor? x_rows=None, Tensor(i!)? dw2=None, Tensor(j!)? dw1=None, "
         "bool accumulate=False, bool reverse2=False, bool reverse1=False, bool glu=False, "
-        "float glu_alpha=1.0, float glu_limit=1.0, float glu_offset=0.0) -> ()");
+        "float glu_alpha=1.0, float glu_limit=-1.0, float glu_offset=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_mok, CPU, m) {

@@ -78,6 +78,12 @@ def test_fc1_glu_with_bias_and_fc2_bias_match_fp32(activation, routing, hidden, 
         y_ref = act[lo:hi].float() @ w2[e].float().t() + b2[e].float()
         assert rel_l2(y[lo:hi].float(), y_ref) < TOL, e
     assert clamped > 0  # the clamp was exercised
+    # A NaN in fc1's output stays a NaN through the clamp (torch.clamp's semantics).
+    e, lo, hi = _segments(offs)[0]
+    x_nan = x.clone()
+    x_nan[lo, 0] = float("nan")
+    act_nan, _ = gg.fc1_swiglu(x_nan, w1, offsets, num_rows, bias=b1, glu=glu)
+    assert torch.isnan(act_nan[lo]).all() and not torch.isnan(act_nan[lo + 1:used]).any()
     # SwiGLU keeps its own epilogue; its bias goes through the same add.
     act_s, h_s = gg.fc1_swiglu(x, w1, offsets, num_rows, bias=b1)
     e, lo, hi = _segments(offs)[0]

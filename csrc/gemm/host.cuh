@@ -170,6 +170,8 @@ inline void set_col_bias(GemmParams& p, const std::optional<at::Tensor>& bias, i
                   bias->size(1) == cols,
               "megatron_mok: ", name, " must be a contiguous bfloat16 [", experts, ", ", cols,
               "] on ", device);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0,
+              "megatron_mok: ", name, " must be 4-byte aligned (bf16 pairs are loaded)");
   p.col_bias = reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr());
   p.bias_stride = cols;
 }

@@ -34,11 +34,11 @@ __device__ __forceinline__ void add_row(float (&acc)[8], const uint4& v, float w
 __global__ void __launch_bounds__(kThreads)
 segment_column_partials(const uint4* __restrict__ rows, const float* __restrict__ scale,
                         const int* __restrict__ offsets, const int* __restrict__ num_rows,
-                        int64_t groups, float4* __restrict__ partial) {
+                        int rows_cap, int64_t groups, float4* __restrict__ partial) {
   const int e = blockIdx.y, s = blockIdx.z, E = gridDim.y;
   const int64_t j = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // group of 8 columns
   if (j >= groups) return;
-  const int used = __ldg(num_rows);
+  const int used = min(__ldg(num_rows), rows_cap);
   const int lo = min(__ldg(offsets + e), used), hi = min(__ldg(offsets + e + 1), used);
   const int per = (hi - lo + kSplits - 1) / kSplits;
   const int r0 = min(lo + s * per, hi), r1 = min(r0 + per, hi);
@@ -74,7 +74,7 @@ segment_row_dots_kernel(const uint4* __restrict__ rows, const uint4* __restrict_
   const int64_t r = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= count) return;
-  if (r >= __ldg(num_rows)) {
+  if (r >= __ldg(num_rows)) {  // (r < count: past the table is never read)
     if (lane == 0) out[r] = 0.f;
     return;
   }
@@ -123,6 +123,9 @@ void segment_row_dots_cuda(const at::Tensor& rows, const at::Tensor& vecs,
     TORCH_CHECK(t->device() == rows.device(), "megatron_mok: segment_row_dots' tensors must be "
                 "on one device");
   }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(vecs.data_ptr()) % 16 == 0,
+              "megatron_mok: rows and vecs must be 16-byte aligned (16-byte loads)");
   c10::cuda::CUDAGuard guard(rows.device());
   if (R == 0) return;
   constexpr int kRowsPerBlock = kThreads / 32;
@@ -161,6 +164,8 @@ void segment_column_sums_cuda(const at::Tensor& rows, const at::Tensor& offsets,
   }
   TORCH_CHECK(!scale.has_value() || scale->device() == rows.device(),
               "megatron_mok: scale must be on rows' device");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
+              "megatron_mok: rows must be 16-byte aligned (16-byte loads)");
   c10::cuda::CUDAGuard guard(rows.device());
   const int64_t groups = N / 8;
   if (groups == 0) return;
@@ -170,7 +175,8 @@ void segment_column_sums_cuda(const at::Tensor& rows, const at::Tensor& offsets,
   segment_column_partials<<<grid, kThreads, 0, stream>>>(
       reinterpret_cast<const uint4*>(rows.data_ptr()),
       scale.has_value() ? scale->data_ptr<float>() : nullptr, offsets.data_ptr<int>(),
-      num_rows.data_ptr<int>(), groups, reinterpret_cast<float4*>(partial.data_ptr<float>()));
+      num_rows.data_ptr<int>(), int(R), groups,
+      reinterpret_cast<float4*>(partial.data_ptr<float>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t count = E * N;
   sum_partials<<<unsigned((count + kThreads - 1) / kThreads), kThreads, 0, stream>>>(

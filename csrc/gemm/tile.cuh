@@ -242,13 +242,20 @@ __device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g))
 // instruction issue (perf-notes, core v5). 1 / inf = 0 for very negative g, as it should.
 __device__ __forceinline__ float sigmoid_fast(float g) { return __fdividef(1.f, 1.f + __expf(-g)); }
 
+// min(v, hi) and clamp(v, -hi, hi) that keep a NaN, as torch.clamp does (fminf / fmaxf
+// would return the bound and hide a NaN from the loss and the gradient checks).
+__device__ __forceinline__ float clamp_max_nan(float v, float hi) { return v > hi ? hi : v; }
+__device__ __forceinline__ float clamp_abs_nan(float v, float hi) {
+  return v > hi ? hi : (v < -hi ? -hi : v);
+}
+
 // The forward activation of one (gate, up) pair: SwiGLU, or with Cfg::kGlu the general GLU.
 template <class Cfg>
 __device__ __forceinline__ float glu_forward(const GemmParams& p, float g, float u) {
   if constexpr (!Cfg::kGlu) {
     return silu_f(g) * u;
   } else {
-    const float gc = fminf(g, p.glu_limit), uc = fminf(fmaxf(u, -p.glu_limit), p.glu_limit);
+    const float gc = clamp_max_nan(g, p.glu_limit), uc = clamp_abs_nan(u, p.glu_limit);
     return gc / (1.f + __expf(-p.glu_alpha * gc)) * (uc + p.glu_offset);
   }
 }
@@ -259,7 +266,7 @@ __device__ __forceinline__ float glu_forward(const GemmParams& p, float g, float
 __device__ __forceinline__ float glu_general_bwd_value(const GemmParams& p, float& acc,
                                                        float& d_gate, float w, float g, float u) {
   const float lim = p.glu_limit, alpha = p.glu_alpha;
-  const float gc = fminf(g, lim), uc = fminf(fmaxf(u, -lim), lim), lin = uc + p.glu_offset;
+  const float gc = clamp_max_nan(g, lim), uc = clamp_abs_nan(u, lim), lin = uc + p.glu_offset;
   const float sig = sigmoid_fast(alpha * gc);
   const float gate_act = gc * sig;
   const float d_act = w * acc;

@@ -115,12 +115,14 @@ def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, k
     else:
         offs = sched.expert_offsets[1:]
         h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
-        if b1 is not None:  # per row: the bias of the row's expert (padding rows too)
-            h = h + b1[row_experts(sched, h.shape[0])]
+        if b1 is not None:  # per row: the bias of the row's expert (padding rows too); fp32
+            # add, one rounding, as the kernels' epilogue (this path: MOK_GEMM_CORE=torch)
+            h = (h.float() + b1.float()[row_experts(sched, h.shape[0])]).to(x_rows.dtype)
         act = activation(h).to(h.dtype)
         y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
         if b2 is not None:
-            y_rows = y_rows + b2[row_experts(sched, y_rows.shape[0])]
+            y_rows = (y_rows.float() + b2.float()[row_experts(sched, y_rows.shape[0])]
+                      ).to(y_rows.dtype)
     if push:
         ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
     return x_rows, act, h, y_rows
@@ -136,12 +138,16 @@ def row_experts(sched: MoKSchedule, rows: int) -> torch.Tensor:
 def bias_grads(saved: KernelSaved, grads: "megakernel.DataGradients", sched: MoKSchedule):
     """(db1, db2) in the biases' dtype, or (None, None) without biases: per-expert column
     sums of d_h and of the router-weighted dy rows (deterministic, row order)."""
-    if saved.b1 is None:
+    if saved.b1 is None and saved.b2 is None:
         return None, None
     offsets, num_rows = sched.expert_offsets, sched.num_rows
-    db1 = grouped_gemm.segment_column_sums(grads.d_h, offsets, num_rows)
-    db2 = grouped_gemm.segment_column_sums(grads.dy_rows, offsets, num_rows, scale=grads.row_w)
-    return db1.to(saved.b1.dtype), db2.to(saved.b2.dtype)
+    db1 = db2 = None
+    if saved.b1 is not None:
+        db1 = grouped_gemm.segment_column_sums(grads.d_h, offsets, num_rows).to(saved.b1.dtype)
+    if saved.b2 is not None:
+        db2 = grouped_gemm.segment_column_sums(grads.dy_rows, offsets, num_rows,
+                                               scale=grads.row_w).to(saved.b2.dtype)
+    return db1, db2
 
 
 def weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule,
