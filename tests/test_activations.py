@@ -30,6 +30,34 @@ def test_swiglu_backward_closed_form_matches_autograd():
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("activation", [
+    A.GPT_OSS, A.SWIGLU, A.ExpertActivation("silu", True, clamp=2.5, linear_offset=0.5),
+    A.ExpertActivation("quick_gelu", True)], ids=lambda a: a.describe())
+def test_glu_backward_closed_form_matches_autograd(activation):
+    """The closed form the kernels' GLU epilogues compute (|h| up to ~16: both clamps cut)."""
+    h = _h(64, 48).requires_grad_()
+    d = _h(64, 24, seed=1)
+    (auto,) = torch.autograd.grad(activation(h), h, d)
+    closed = A.glu_backward(activation, h.detach(), d)
+    torch.testing.assert_close(closed, auto, rtol=1e-5, atol=1e-5)
+    if activation.clamp is not None:  # the cut gradients are exact zeros in both
+        gate, up = h.detach().chunk(2, dim=-1)
+        assert torch.count_nonzero(closed[:, :24][gate > activation.clamp]) == 0
+        assert torch.count_nonzero(closed[:, 24:][up.abs() > activation.clamp]) == 0
+        assert (gate > activation.clamp).any() and (up.abs() > activation.clamp).any()
+
+
+def test_kernel_glu_parameters():
+    assert A.SWIGLU.kernel_glu is None and A.SWIGLU.kernel_runs  # its own epilogue
+    assert A.GPT_OSS.kernel_glu == (1.702, 7.0, 1.0)
+    assert A.ExpertActivation("silu", True, clamp=3.0).kernel_glu == (1.0, 3.0, 0.0)
+    assert A.ExpertActivation("quick_gelu", True).kernel_glu == (1.702, float("inf"), 0.0)
+    for other in (A.SQUARED_RELU, A.ExpertActivation("gelu", True)):
+        assert not other.kernel_runs and other.kernel_glu is None
+        with pytest.raises(ValueError, match="no closed-form backward"):
+            A.glu_backward(other, _h(4, 8), _h(4, 4))
+
+
 def test_gpt_oss_clamped_glu_formula():
     """GPT-OSS: quick_gelu(min(g, 7)) * (clamp(u, -7, 7) + 1); values beyond the clamp
     exist in the input, so the clamp matters."""

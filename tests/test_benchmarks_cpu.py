@@ -2,6 +2,7 @@
 routing generators, the torch-unfused baseline against the reference, the records and
 the report (README table, markers). The timing itself needs a GPU."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -175,6 +176,32 @@ def test_torch_unfused_matches_reference(shape_name, grouped_gemm_path):
     assert result["bwd_rel_l2_max"] < L.CHECK_TOL, result["bwd_rel_l2"]
     assert set(result["bwd_rel_l2"]) >= {"dx", "d_topk_w", "dw1", "dw2"}
     assert all(t.grad is None for t in weights.leaves())  # the check leaves no gradients
+
+
+def test_gpt_oss_variant_shape_runs_its_activation_and_biases(grouped_gemm_path):
+    """tiny-glu (GPT-OSS's clamped GLU and expert biases): torch-unfused and the mok
+    backend (the reference here) against the reference, db1 and db2 included; backends
+    without GLU or biases are refused, not run as plain SwiGLU."""
+    shape = S.get_shape("tiny-glu")
+    local = S.ep8_proxy(shape)
+    assert (local.activation, local.expert_bias) == ("gpt-oss", True)
+    assert S.get_shape("gpt-oss-120b-glu").hidden == S.get_shape("gpt-oss-120b").hidden
+    assert "gpt-oss-120b-glu" not in S.SHAPES  # not in the default set
+    weights = L.make_weights(local, "cpu", seed=0)
+    assert weights.b1.shape == (local.num_local_experts, 2 * local.inter)
+    case = L.make_case(local, 96, "skewed", "cpu", seed=0)
+    ref = L.reference_outputs(case, weights, want_grads=True, activation=local.activation)
+    plain = L.reference_outputs(case, weights, want_grads=False)  # SwiGLU, biases ignored
+    assert L.rel_l2(plain["y"], ref["y"]) > 0.1  # the variant computes something else
+    args = argparse.Namespace(mok_backend="auto", seed=0)
+    for backend in (L.make_backend("torch-unfused", local, weights, "cpu", args),
+                    L.make_backend("mok", local, weights, "cpu", args)):
+        result = L.check_backend(backend, case, ref)
+        assert result["fwd_rel_l2"] < L.CHECK_TOL, backend.name
+        assert result["bwd_rel_l2_max"] < L.CHECK_TOL, (backend.name, result["bwd_rel_l2"])
+        assert set(result["bwd_rel_l2"]) >= {"db1", "db2"}
+    with pytest.raises(ValueError, match="plain SwiGLU experts without biases"):
+        L.make_backend("sonicmoe", local, weights, "cpu", args)
 
 
 def test_torch_unfused_dropped_routes():
