@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from megatron_mok import knobs, routing_errors
 from megatron_mok.config import MoKConfig
 from megatron_mok.kernels import autotune, grouped_gemm, megakernel, ops
-from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, bias_grads, dgrad_launches,
-                                               expert_launches, fused_wgrad_targets, gather_rows, gemm_core,
+from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, bias_grads,
+                                               dgrad_launches, expert_launches,
+                                               fused_wgrad_targets, gather_rows, gemm_core,
                                                rows_combine, shared_forward, weight_grad)
 from megatron_mok.schedule import MoKSchedule
 from megatron_mok.workspace import MoKWorkspace
