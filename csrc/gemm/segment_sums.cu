@@ -100,32 +100,39 @@ segment_row_dots_kernel(const uint4* __restrict__ rows, const uint4* __restrict_
   if (lane == 0) out[r] = acc;
 }
 
-void segment_row_dots_cuda(const at::Tensor& rows, const at::Tensor& vecs,
-                           const at::Tensor& offsets, const at::Tensor& num_rows,
-                           const at::Tensor& out) {
+// The checks both ops share: bf16 rows [R, N] (N a multiple of 8, 16-byte aligned for the
+// row loads), the row table's expert_offsets [E + 1] and num_rows on rows' device.
+void check_segment_rows(const at::Tensor& rows, const at::Tensor& offsets,
+                        const at::Tensor& num_rows) {
   TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 &&
                   rows.is_contiguous() && rows.size(1) % 8 == 0,
               "megatron_mok: rows must be a contiguous bfloat16 [rows, N] CUDA tensor, N a "
               "multiple of 8");
-  const int64_t R = rows.size(0), N = rows.size(1), E = offsets.numel() - 1;
-  TORCH_CHECK(vecs.is_cuda() && vecs.scalar_type() == at::kBFloat16 && vecs.is_contiguous() &&
-                  vecs.dim() == 2 && vecs.size(0) == E && vecs.size(1) == N,
-              "megatron_mok: vecs must be a contiguous bfloat16 [", E, ", ", N, "]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
+              "megatron_mok: rows must be 16-byte aligned (16-byte loads)");
   TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&
-                  offsets.is_contiguous() && E >= 1,
+                  offsets.is_contiguous() && offsets.numel() >= 2,
               "megatron_mok: expert_offsets must be a contiguous CUDA int32 [E + 1]");
   TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
               "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
-  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.numel() == R,
-              "megatron_mok: out must be a contiguous float32 [", R, "]");
-  for (const at::Tensor* t : {&vecs, &offsets, &num_rows, &out}) {
-    TORCH_CHECK(t->device() == rows.device(), "megatron_mok: segment_row_dots' tensors must be "
-                "on one device");
-  }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 &&
+  TORCH_CHECK(offsets.device() == rows.device() && num_rows.device() == rows.device(),
+              "megatron_mok: expert_offsets and num_rows must be on rows' device");
+}
+
+void segment_row_dots_cuda(const at::Tensor& rows, const at::Tensor& vecs,
+                           const at::Tensor& offsets, const at::Tensor& num_rows,
+                           const at::Tensor& out) {
+  check_segment_rows(rows, offsets, num_rows);
+  const int64_t R = rows.size(0), N = rows.size(1), E = offsets.numel() - 1;
+  TORCH_CHECK(vecs.is_cuda() && vecs.device() == rows.device() &&
+                  vecs.scalar_type() == at::kBFloat16 && vecs.is_contiguous() &&
+                  vecs.dim() == 2 && vecs.size(0) == E && vecs.size(1) == N &&
                   reinterpret_cast<uintptr_t>(vecs.data_ptr()) % 16 == 0,
-              "megatron_mok: rows and vecs must be 16-byte aligned (16-byte loads)");
+              "megatron_mok: vecs must be a contiguous, 16-byte aligned bfloat16 [", E, ", ", N,
+              "] on rows' device");
+  TORCH_CHECK(out.is_cuda() && out.device() == rows.device() &&
+                  out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == R,
+              "megatron_mok: out must be a contiguous float32 [", R, "] on rows' device");
   c10::cuda::CUDAGuard guard(rows.device());
   if (R == 0) return;
   constexpr int kRowsPerBlock = kThreads / 32;
@@ -140,32 +147,19 @@ void segment_row_dots_cuda(const at::Tensor& rows, const at::Tensor& vecs,
 void segment_column_sums_cuda(const at::Tensor& rows, const at::Tensor& offsets,
                               const at::Tensor& num_rows, const std::optional<at::Tensor>& scale,
                               const at::Tensor& out) {
-  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 &&
-                  rows.is_contiguous() && rows.size(1) % 8 == 0,
-              "megatron_mok: rows must be a contiguous bfloat16 [rows, N] CUDA tensor, N a "
-              "multiple of 8");
+  check_segment_rows(rows, offsets, num_rows);
   const int64_t R = rows.size(0), N = rows.size(1), E = offsets.numel() - 1;
-  TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.dim() == 1 &&
-                  offsets.is_contiguous() && E >= 1 && E < 65536,
-              "megatron_mok: expert_offsets must be a contiguous CUDA int32 [E + 1], E < 65536");
-  TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
-              "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
-  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.dim() == 2 && out.size(0) == E && out.size(1) == N,
-              "megatron_mok: out must be a contiguous float32 [", E, ", ", N, "]");
+  TORCH_CHECK(E < 65536, "megatron_mok: segment_column_sums takes fewer than 65536 experts");
+  TORCH_CHECK(out.is_cuda() && out.device() == rows.device() &&
+                  out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == E && out.size(1) == N,
+              "megatron_mok: out must be a contiguous float32 [", E, ", ", N, "] on rows' device");
   if (scale.has_value()) {
-    TORCH_CHECK(scale->is_cuda() && scale->scalar_type() == at::kFloat && scale->dim() == 1 &&
+    TORCH_CHECK(scale->is_cuda() && scale->device() == rows.device() &&
+                    scale->scalar_type() == at::kFloat && scale->dim() == 1 &&
                     scale->is_contiguous() && scale->size(0) == R,
-                "megatron_mok: scale must be a contiguous float32 [", R, "]");
+                "megatron_mok: scale must be a contiguous float32 [", R, "] on rows' device");
   }
-  for (const at::Tensor* t : {&offsets, &num_rows, &out}) {
-    TORCH_CHECK(t->device() == rows.device(), "megatron_mok: segment_column_sums' tensors must "
-                "be on one device");
-  }
-  TORCH_CHECK(!scale.has_value() || scale->device() == rows.device(),
-              "megatron_mok: scale must be on rows' device");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0,
-              "megatron_mok: rows must be 16-byte aligned (16-byte loads)");
   c10::cuda::CUDAGuard guard(rows.device());
   const int64_t groups = N / 8;
   if (groups == 0) return;

@@ -51,8 +51,11 @@ def available() -> bool:
 SWIGLU_AS_GLU = (1.0, float("inf"), 0.0)
 
 
-def glu_args(glu: Optional[tuple]) -> tuple:
-    """The ops' trailing (glu, alpha, limit, offset) arguments."""
+def glu_args(glu: Optional[tuple], biased: bool = False) -> tuple:
+    """The ops' trailing (glu, alpha, limit, offset) arguments; `biased` (the pass adds expert
+    biases) turns SwiGLU (glu None) into SWIGLU_AS_GLU."""
+    if glu is None and biased:
+        glu = SWIGLU_AS_GLU
     if glu is None:
         return False, 1.0, 1.0, 0.0
     alpha, limit, offset = (float(v) for v in glu)
@@ -143,7 +146,7 @@ def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Ten
     check_multiple_of_8(hidden=hidden, inter=inter)
     _check_cuda(x_rows=x_rows, w1=w1, expert_offsets=expert_offsets, num_rows=num_rows)
     check_bias("b1", bias, w1.shape[0], 2 * inter, x_rows)
-    glu_tail = glu_args(SWIGLU_AS_GLU if glu is None and bias is not None else glu)
+    glu_tail = glu_args(glu, biased=bias is not None)
     act = x_rows.new_empty(rows, inter)
     h = x_rows.new_empty(rows, 2 * inter) if save_h else None
     torch.ops.megatron_mok.grouped_fc1_swiglu(x_rows, w1, expert_offsets, num_rows, act, h,
@@ -278,17 +281,23 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
     return out
 
 
+def _check_segment_rows(rows, expert_offsets, num_rows) -> tuple[int, int, int]:
+    """The segment ops' shared checks; (rows, columns, experts)."""
+    _check("rows", rows, 2)
+    count, cols = rows.shape
+    num_experts = expert_offsets.numel() - 1
+    _check_table(count, expert_offsets, num_experts, num_rows)
+    check_multiple_of_8(cols=cols)  # 16-byte row pieces
+    return count, cols, num_experts
+
+
 def segment_column_sums(rows: torch.Tensor, expert_offsets: torch.Tensor,
                         num_rows: torch.Tensor, scale: Optional[torch.Tensor] = None
                         ) -> torch.Tensor:
     """fp32 [E, N]: out[e] = sum over the rows r of segment e (below num_rows) of
     scale[r] * rows[r] (scale fp32 [rows], optional), in row order: the experts' bias
     gradients (fc1's from d_h, fc2's from the dy rows and their router weights)."""
-    _check("rows", rows, 2)
-    count, cols = rows.shape
-    num_experts = expert_offsets.numel() - 1
-    _check_table(count, expert_offsets, num_experts, num_rows)
-    check_multiple_of_8(cols=cols)  # 16-byte row pieces
+    count, cols, num_experts = _check_segment_rows(rows, expert_offsets, num_rows)
     if scale is not None:
         _check("scale", scale, 1, torch.float32)
         if scale.shape[0] != count:
@@ -303,11 +312,7 @@ def segment_row_dots(rows: torch.Tensor, vecs: torch.Tensor, expert_offsets: tor
                      num_rows: torch.Tensor) -> torch.Tensor:
     """fp32 [rows]: <rows[r], vecs[e]> for the rows r of segment e (0 past num_rows), one
     fixed-order reduction per row: fc2's bias term of the router weights' gradient."""
-    _check("rows", rows, 2)
-    count, cols = rows.shape
-    num_experts = expert_offsets.numel() - 1
-    _check_table(count, expert_offsets, num_experts, num_rows)
-    check_multiple_of_8(cols=cols)
+    count, cols, num_experts = _check_segment_rows(rows, expert_offsets, num_rows)
     _check("vecs", vecs, 2)
     if tuple(vecs.shape) != (num_experts, cols):
         raise ValueError(f"megatron_mok: vecs must be [{num_experts}, {cols}], got "

@@ -115,14 +115,15 @@ def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, k
     else:
         offs = sched.expert_offsets[1:]
         h = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=offs)
-        if b1 is not None:  # per row: the bias of the row's expert (padding rows too); fp32
-            # add, one rounding, as the kernels' epilogue (this path: MOK_GEMM_CORE=torch)
-            h = (h.float() + b1.float()[row_experts(sched, h.shape[0])]).to(x_rows.dtype)
+        # Per row the bias of the row's expert (padding rows too), an fp32 add and one
+        # rounding, as the kernels' epilogues (this path: MOK_GEMM_CORE=torch).
+        experts = None if b1 is None and b2 is None else row_experts(sched, h.shape[0])
+        if b1 is not None:
+            h = (h.float() + b1.float()[experts]).to(x_rows.dtype)
         act = activation(h).to(h.dtype)
         y_rows = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
         if b2 is not None:
-            y_rows = (y_rows.float() + b2.float()[row_experts(sched, y_rows.shape[0])]
-                      ).to(y_rows.dtype)
+            y_rows = (y_rows.float() + b2.float()[experts]).to(y_rows.dtype)
     if push:
         ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
     return x_rows, act, h, y_rows

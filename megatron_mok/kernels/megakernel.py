@@ -117,9 +117,8 @@ def moe_forward(ws, sched, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     grouped_gemm.check_multiple_of_8(hidden=hidden, inter=inter)
     grouped_gemm.check_bias("b1", b1, w1.shape[0], 2 * inter, x)
     grouped_gemm.check_bias("b2", b2, w1.shape[0], hidden, x)
-    if glu is None and (b1 is not None or b2 is not None):  # the bias adds: general epilogues
-        glu = grouped_gemm.SWIGLU_AS_GLU
-    glu_on, alpha, limit, offset = grouped_gemm.glu_args(glu)
+    glu_on, alpha, limit, offset = grouped_gemm.glu_args(
+        glu, biased=b1 is not None or b2 is not None)  # the bias adds: general epilogues
     act = x.new_empty(rows, inter)
     h = x.new_empty(rows, 2 * inter) if save_h else None
     y_rows = x.new_empty(rows, hidden)
