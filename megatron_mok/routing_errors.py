@@ -129,6 +129,13 @@ def poll(device: torch.device) -> None:
         _latch(device).poll(wait=False)
 
 
+def clear(device: torch.device) -> None:
+    """Forget `device`'s latched error once a caller has reported it through a host sync
+    (Schedule.check_errors), so the next pass does not raise it again."""
+    if device.type == "cuda" and (device.type, device.index) in _LATCHES:
+        _latch(device).clear()
+
+
 def check(wait: bool = True) -> None:
     """Raise RoutingError for any routing error latched on any device. wait=True waits for
     the latest schedule's copy (a host sync: call it where the caller syncs anyway, such

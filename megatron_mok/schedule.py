@@ -53,9 +53,15 @@ class MoKSchedule:
     def check_errors(self) -> None:
         """Turn the device error flags into exceptions: a host sync, at a point the caller
         chooses (the kernel pass itself never syncs)."""
-        if int(self.invalid_ids.item()):
+        invalid, overflow = int(self.invalid_ids.item()), int(self.overflow.item())
+        if invalid or overflow:
+            # Reported here, after the sync of .item(): the device latch's copy of the same
+            # error must not resurface at the next pass's poll.
+            from megatron_mok import routing_errors
+            routing_errors.clear(self.overflow.device)
+        if invalid:
             raise ValueError("megatron_mok: topk_idx holds expert ids outside [-1, num_experts)")
-        if int(self.overflow.item()):
+        if overflow:
             raise RuntimeError(
                 f"megatron_mok: routing needs {int(self.num_rows.item())} padded rows on this rank "
                 f"but the row table holds {self.capacity}; raise "
