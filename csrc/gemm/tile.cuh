@@ -31,8 +31,8 @@
 // GemmParams::col_bias is set (the experts' fc2 / fc1 biases). Compile-time variants, so
 // that the plain kernels keep their code: the SwiGLU backward's epilogue is bound by
 // instruction issue (a runtime branch there doubled its code, perf-notes core v5), and the
-// untaken bias branches measured ~2 % on qwen3's forward (perf-notes, GLU epilogues; an
-// A/B to rerun from a clean baseline tree).
+// untaken bias branches measured ~2 % on qwen3's forward (perf-notes, GLU epilogues; gone
+// once they moved here, 55d1b22).
 #pragma once
 
 #include <cuda_bf16.h>
