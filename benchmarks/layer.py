@@ -212,18 +212,19 @@ def make_weights(local: S.LocalShape, device, seed: int = 0,
         return t.mul_(WEIGHT_STD).requires_grad_(True)
 
     e, h, i = local.num_local_experts, local.hidden, local.inter
-    if local.shared_inter == i:
+    fc1_rows = S.fc1_rows_per_inter(local.activation) * i  # w1 [E, 2I, H] or [E, I, H]
+    if local.shared_inter == i and fc1_rows == 2 * i:
         # The shared weights right after the experts' in one storage, so that
         # MOK_SHARED_EXPERT=folded reads them stacked without a copy (megatron_mok.shared_fold).
         w1, w2 = rnd(e + 1, 2 * i, h).detach(), rnd(e + 1, h, i).detach()
         return Weights(*(t.requires_grad_(True) for t in (w1[:e], w2[:e], w1[e], w2[e])))
-    w = Weights(rnd(e, 2 * i, h), rnd(e, h, i))
+    w = Weights(rnd(e, fc1_rows, h), rnd(e, h, i))
     if local.shared_inter:
-        w.shared_w1 = rnd(2 * local.shared_inter, h)
+        w.shared_w1 = rnd(fc1_rows // i * local.shared_inter, h)
         w.shared_w2 = rnd(h, local.shared_inter)
     if local.expert_bias:  # BIAS_STD / WEIGHT_STD times the weights' std
         w.b1, w.b2 = (rnd(*shape).detach().mul_(BIAS_STD / WEIGHT_STD).requires_grad_(True)
-                      for shape in ((e, 2 * i), (e, h)))
+                      for shape in ((e, fc1_rows), (e, h)))
     return w
 
 

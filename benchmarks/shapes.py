@@ -52,13 +52,22 @@ VARIANT_SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("gpt-oss-120b-glu", 2880, 2880, 128, 4, 0, EP8,
           "GPT-OSS-120B experts as published: clamped quick_gelu GLU (clamp 7, offset 1), "
           "fc1 and fc2 biases", activation="gpt-oss", expert_bias=True),
+    Shape("qwen3-30b-a3b-relu2", 2048, 768, 128, 8, 0, EP8,
+          "Qwen3-30B-A3B's layer with non-gated squared-ReLU experts (Nemotron-style; fc1 "
+          "[I, H]: 2/3 of the SwiGLU layer's FLOPs)", activation="squared-relu"),
 )}
 
 
 def activation_of(name: str):
     """The megatron_mok ExpertActivation of a shape's activation key."""
     from megatron_mok import activations
-    return {"swiglu": activations.SWIGLU, "gpt-oss": activations.GPT_OSS}[name]
+    return {"swiglu": activations.SWIGLU, "gpt-oss": activations.GPT_OSS,
+            "squared-relu": activations.SQUARED_RELU}[name]
+
+
+def fc1_rows_per_inter(activation: str) -> int:
+    """Rows of w1 per intermediate column of a shape's activation: 2 (GLU), 1 (non-gated)."""
+    return 2 if activation in ("swiglu", "gpt-oss") else 1
 
 
 # Not a benchmark shape: a tiny one for CPU smoke runs and tests (`--shapes tiny`).
@@ -67,6 +76,7 @@ TEST_SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("tiny-noshared", 64, 32, 16, 2, 0, EP8, "CPU smoke test"),
     Shape("tiny-glu", 64, 32, 16, 2, 0, EP8, "CPU smoke test", activation="gpt-oss",
           expert_bias=True),
+    Shape("tiny-relu2", 64, 32, 16, 2, 0, EP8, "CPU smoke test", activation="squared-relu"),
 )}
 
 DEFAULT_TOKENS = (4096, 8192)
@@ -126,7 +136,10 @@ def backward_flops(num_tokens: int, hidden: int, inter: int, topk: int,
 
 
 def pass_flops(local: LocalShape, num_tokens: int, which: str) -> float:
+    """The pass's FLOPs; non-gated experts' fc1 is one GEMM of [I, H], not two."""
     f = forward_flops(num_tokens, local.hidden, local.inter, local.topk, local.shared_inter)
+    if fc1_rows_per_inter(local.activation) == 1:
+        f -= 2.0 * num_tokens * local.topk * local.inter * local.hidden
     if which == "fwd":
         return f
     if which == "bwd":

@@ -89,6 +89,17 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor num_rows, Tensor h, Tensor(a!) d_h, int max_ctas, Tensor? row_w=None, "
         "Tensor(b!)? dots_part=None, Tensor(c!)? act_scaled=None, bool glu=False, "
         "float glu_alpha=1.0, float glu_limit=-1.0, float glu_offset=0.0) -> ()");
+  // Non-gated experts (csrc/gemm/grouped_act.cu): w1 [E, I, H]; act = f(x_rows w1[e]^T +
+  // bias[e]) (h: the pre-activations, bias included), f by act_fn (0 relu, 1 squared-ReLU,
+  // 2 GeLU (erf), 3 GeLU (tanh), 4 x sigmoid(act_alpha x)). grouped_dgrad_act: d_h = f'(h) *
+  // (dy_rows w2[e]) (with row_w: times the row's router weight, and dots_part / act_scaled
+  // as grouped_dgrad_swiglu's, act = f(h)).
+  m.def("grouped_fc1_act(Tensor x_rows, Tensor w1, Tensor expert_offsets, Tensor num_rows, "
+        "Tensor(a!) act, Tensor(b!)? h, int max_ctas, Tensor? bias, int act_fn, "
+        "float act_alpha) -> ()");
+  m.def("grouped_dgrad_act(Tensor dy_rows, Tensor w2, Tensor expert_offsets, "
+        "Tensor num_rows, Tensor h, Tensor(a!) d_h, int max_ctas, Tensor? row_w, "
+        "Tensor(b!)? dots_part, Tensor(c!)? act_scaled, int act_fn, float act_alpha) -> ()");
   // The experts' bias gradients (csrc/gemm/segment_sums.cu): out [E, N] fp32, out[e] = the
   // sum of scale[r] * rows[r] (scale optional) over the rows of segment e below num_rows.
   m.def("segment_column_sums(Tensor rows, Tensor expert_offsets, Tensor num_rows, "

@@ -19,6 +19,7 @@ kernels' epilogues do the same in registers).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import torch
@@ -92,16 +93,25 @@ class ExpertActivation:
         quick_gelu (f(x) = x sigmoid(alpha x)) with its clamp (limit inf: none) and linear
         offset; None for SwiGLU itself (its own epilogue) and for what the kernels do not run
         (see kernel_runs)."""
-        if self.is_swiglu or not self.kernel_runs:
+        if self.is_swiglu or not self.gated or not self.kernel_runs:
             return None
         limit = float("inf") if self.clamp is None else float(self.clamp)
         return GLU_ALPHA[self.function], limit, float(self.linear_offset)
 
     @property
+    def kernel_act(self) -> Optional[tuple[int, float]]:
+        """(act_fn, alpha) of the kernels' non-gated epilogues (grouped_fc1_act /
+        grouped_dgrad_act: KERNEL_ACT_FNS, alpha for x sigmoid(alpha x)); None for GLUs."""
+        if self.gated:
+            return None
+        return KERNEL_ACT_FNS[self.function], GLU_ALPHA.get(self.function, 1.0)
+
+    @property
     def kernel_runs(self) -> bool:
         """The kernel backend's epilogues compute this activation: GLUs of silu or
-        quick_gelu, clamped or not, with or without a linear offset."""
-        return self.gated and self.function in GLU_ALPHA
+        quick_gelu, clamped or not, with or without a linear offset, and every non-gated
+        function of the spec (squared-ReLU, GeLU, ...; launch chain only)."""
+        return self.function in GLU_ALPHA if self.gated else self.function in KERNEL_ACT_FNS
 
     def describe(self) -> str:
         if self.is_swiglu:
@@ -116,6 +126,10 @@ class ExpertActivation:
 
 # f(x) = x * sigmoid(alpha * x): the gate functions of the kernels' GLU epilogues.
 GLU_ALPHA = {"silu": 1.0, "quick_gelu": 1.702}
+
+# The non-gated epilogues' act_fn codes (csrc/gemm/tile.cuh, ActFn): 4 is x sigmoid(alpha x).
+KERNEL_ACT_FNS = {"relu": 0, "squared_relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4,
+                  "quick_gelu": 4}
 
 SWIGLU = ExpertActivation()
 GPT_OSS = ExpertActivation("quick_gelu", gated=True, clamp=7.0, linear_offset=1.0)
@@ -144,8 +158,9 @@ def glu_backward(activation: ExpertActivation, h: torch.Tensor, d_act: torch.Ten
     the closed form the kernels' epilogues compute: with g' = min(g, c), u' = clamp(u, -c, c),
     s = sigmoid(alpha g'): d_gate = d_act (u' + offset) s (1 + alpha g' (1 - s)) where g <= c,
     d_up = d_act g' s where -c <= u <= c (torch.clamp's gradient, bounds included)."""
-    if not activation.kernel_runs:
-        raise ValueError(f"megatron_mok: no closed-form backward for {activation.describe()}")
+    if not (activation.gated and activation.kernel_runs):
+        raise ValueError(f"megatron_mok: no closed-form GLU backward for "
+                         f"{activation.describe()} (activation_backward has the non-gated)")
     if activation.is_swiglu:
         return swiglu_backward(h, d_act)
     alpha, limit, offset = activation.kernel_glu
@@ -156,6 +171,38 @@ def glu_backward(activation: ExpertActivation, h: torch.Tensor, d_act: torch.Ten
     d_gate = torch.where(gate <= limit, d * (uc + offset) * sig * (1 + alpha * gc * (1 - sig)), 0.0)
     d_up = torch.where((up >= -limit) & (up <= limit), d * gc * sig, 0.0)
     return torch.cat([d_gate, d_up], dim=-1)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def act_derivative(function: str, x: torch.Tensor) -> torch.Tensor:
+    """f'(x) in fp32 for a non-gated function of the spec (the closed forms the kernels'
+    kActBwd epilogue computes; relu and squared-ReLU take 0 at x = 0, as torch's autograd)."""
+    x = x.float()
+    if function == "relu":
+        return (x > 0).float()
+    if function == "squared_relu":
+        return 2 * F.relu(x)
+    if function == "gelu":
+        return 0.5 * (1 + torch.erf(x * math.sqrt(0.5))) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    if function == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
+        return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+    if function in GLU_ALPHA:
+        alpha = GLU_ALPHA[function]
+        s = torch.sigmoid(alpha * x)
+        return s * (1 + alpha * x * (1 - s))
+    raise ValueError(f"megatron_mok: no closed-form derivative for {function!r}")
+
+
+def activation_backward(activation: ExpertActivation, h: torch.Tensor, d_act: torch.Tensor
+                        ) -> torch.Tensor:
+    """d_h in fp32 of any activation the kernels run: glu_backward for GLUs, f'(h) d_act for
+    the non-gated ones."""
+    if activation.gated:
+        return glu_backward(activation, h, d_act)
+    return act_derivative(activation.function, h) * d_act.float()
 
 
 def from_megatron(config) -> ExpertActivation:

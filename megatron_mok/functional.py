@@ -335,7 +335,8 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
                        hidden_size=x.shape[1], topk=topk_idx.shape[1],
                        num_local_experts=w1.shape[0], dtype=x.dtype)
     if ws.arena is not None:  # before the schedule's launches
-        check_kernel_dims(intermediate_size=w1.shape[1] // 2)
+        rows_per_inter = config.activation.fc1_rows_per_inter
+        check_kernel_dims(intermediate_size=w1.shape[1] // rows_per_inter)
     sched = build_schedule(ws, config, topk_idx)
     return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2, config, ws, sched,
                              recompute, accumulators, True)

@@ -90,12 +90,13 @@ def check_expert_biases(b1, b2, w1, w2, x) -> None:
 
 def kernel_config_refusal(config) -> Optional[str]:
     """Why the kernel backend cannot run `config` (None: it can). It runs GLU experts of
-    silu or quick_gelu (SwiGLU; GPT-OSS's clamped GLU with its linear offset), with or
-    without expert biases, in BF16; the others run on the reference backend."""
+    silu or quick_gelu (SwiGLU; GPT-OSS's clamped GLU with its linear offset) and non-gated
+    experts of every function of the spec (squared-ReLU, GeLU, ...), with or without
+    expert biases, in BF16."""
     if not config.activation.kernel_runs:
-        return (f"the kernel backend runs GLU experts of silu or quick_gelu (clamped or not), "
-                f"not {config.activation.describe()}; use backend='reference' "
-                f"(--mok-backend reference), or SwiGLU experts (--swiglu)")
+        return (f"the kernel backend runs GLU experts of silu or quick_gelu (clamped or not) "
+                f"and non-gated experts, not {config.activation.describe()}; use "
+                f"backend='reference' (--mok-backend reference), or SwiGLU experts (--swiglu)")
     if config.fp8:
         return ("the kernel backend has no FP8 GEMMs yet; use backend='reference' "
                 "(--mok-backend reference), or BF16 (no --mok-fp8 / --fp8-format)")

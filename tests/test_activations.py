@@ -52,10 +52,35 @@ def test_kernel_glu_parameters():
     assert A.GPT_OSS.kernel_glu == (1.702, 7.0, 1.0)
     assert A.ExpertActivation("silu", True, clamp=3.0).kernel_glu == (1.0, 3.0, 0.0)
     assert A.ExpertActivation("quick_gelu", True).kernel_glu == (1.702, float("inf"), 0.0)
-    for other in (A.SQUARED_RELU, A.ExpertActivation("gelu", True)):
-        assert not other.kernel_runs and other.kernel_glu is None
-        with pytest.raises(ValueError, match="no closed-form backward"):
+    geglu = A.ExpertActivation("gelu", True)  # a GLU of a function the epilogues lack
+    assert not geglu.kernel_runs and geglu.kernel_glu is None and geglu.kernel_act is None
+    for other in (A.SQUARED_RELU, geglu):
+        with pytest.raises(ValueError, match="no closed-form GLU backward"):
             A.glu_backward(other, _h(4, 8), _h(4, 4))
+
+
+def test_kernel_act_codes_of_the_non_gated_functions():
+    """Every non-gated function of the spec runs in the kernels' kAct epilogues, with the
+    codes csrc/gemm/tile.cuh's ActFn gives them."""
+    assert A.SQUARED_RELU.kernel_runs and A.SQUARED_RELU.kernel_act == (1, 1.0)
+    assert A.SQUARED_RELU.kernel_glu is None
+    codes = {f: A.ExpertActivation(f, gated=False).kernel_act for f in A.FUNCTIONS}
+    assert codes == {"silu": (4, 1.0), "quick_gelu": (4, 1.702), "gelu": (2, 1.0),
+                     "gelu_tanh": (3, 1.0), "squared_relu": (1, 1.0), "relu": (0, 1.0)}
+    assert A.SWIGLU.kernel_act is None and A.GPT_OSS.kernel_act is None
+
+
+@pytest.mark.parametrize("function", sorted(A.FUNCTIONS))
+def test_non_gated_derivative_closed_form_matches_autograd(function):
+    """The f'(h) the kActBwd epilogue computes, against autograd of the spec's f (float64,
+    values near 0 included)."""
+    activation = A.ExpertActivation(function, gated=False)
+    h = torch.cat([_h(64, 24).flatten(), torch.linspace(-1e-3, 1e-3, 7)]).double()
+    h = h[h != 0].requires_grad_()
+    d = torch.randn(h.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (auto,) = torch.autograd.grad(activation(h), h, d)
+    closed = A.activation_backward(activation, h.detach(), d)
+    torch.testing.assert_close(closed.double(), auto, rtol=2e-5, atol=1e-5)
 
 
 def test_gpt_oss_clamped_glu_formula():
@@ -152,12 +177,15 @@ def test_non_gated_weights_are_checked():
     reference.moe_reference(**inputs, activation=A.SQUARED_RELU)
 
 
-def test_kernel_backend_runs_glus_and_refuses_other_activations_before_any_launch():
+def test_kernel_backend_runs_glus_and_non_gated_and_refuses_other_glus_before_any_launch():
     from megatron_mok.validation import check_kernel_config
     check_kernel_config(MoKConfig())
     check_kernel_config(MoKConfig(activation=A.GPT_OSS))  # the GLU epilogues run it
     check_kernel_config(MoKConfig(activation=A.ExpertActivation("silu", True, clamp=5.0)))
-    for refused in (A.SQUARED_RELU, A.ExpertActivation("gelu", gated=True)):
+    check_kernel_config(MoKConfig(activation=A.SQUARED_RELU))  # the kAct epilogues
+    check_kernel_config(MoKConfig(activation=A.ExpertActivation("gelu", gated=False)))
+    for refused in (A.ExpertActivation("gelu", gated=True),
+                    A.ExpertActivation("squared_relu", gated=True)):
         with pytest.raises(ValueError, match="GLU experts of silu or quick_gelu.*"
                                              "--mok-backend reference"):
             check_kernel_config(MoKConfig(activation=refused))

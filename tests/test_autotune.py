@@ -145,3 +145,25 @@ def test_backward_candidates_and_unknown_cached_path():
     assert {p.minibatch_rows for p in plans[1:]} == set(autotune.BACKWARD_MINIBATCHES)
     autotune.store("k|bwd", autotune.BackwardPlan("warp-drive", 0), {})
     assert autotune.lookup_backward("k|bwd") is None
+
+
+def test_non_gated_experts_always_take_the_launch_chain(monkeypatch):
+    """The megakernels' epilogues are the GLU ones: squared-ReLU / GeLU experts run the
+    chain whatever MOK_FORWARD / MOK_BACKWARD or a cached plan say."""
+    from megatron_mok.activations import SQUARED_RELU
+    monkeypatch.setattr(megakernel, "backward_available", lambda: True)
+    ws, bf16 = _ws(), torch.bfloat16
+    config = MoKConfig(activation=SQUARED_RELU)
+    autotune.store(autotune.workspace_key(ws, 768), autotune.ForwardPlan("megakernel", 0, 1024),
+                   {"launches": 2.0})
+    autotune.store(autotune.backward_key(ws, 768), autotune.BackwardPlan("megakernel", 4096),
+                   {"launches": 2.0})
+    autotune.forget_cache()
+    assert autotune.forward_plan(ws, 768, MoKConfig()).path == "megakernel"  # SwiGLU: cached
+    assert autotune.forward_plan(ws, 768, config).path == "launches"
+    assert autotune.backward_plan(ws, 768, config, bf16, True).path == "launches"
+    monkeypatch.setenv("MOK_FORWARD", "megakernel")
+    monkeypatch.setenv("MOK_BACKWARD", "megakernel")
+    autotune.forget_cache()
+    assert autotune.forward_plan(ws, 768, config).path == "launches"
+    assert autotune.backward_plan(ws, 768, config, bf16, True).path == "launches"

@@ -204,6 +204,24 @@ def test_gpt_oss_variant_shape_runs_its_activation_and_biases(grouped_gemm_path)
         L.make_backend("sonicmoe", local, weights, "cpu", args)
 
 
+def test_non_gated_variant_shape_runs_squared_relu_with_its_flops(grouped_gemm_path):
+    """tiny-relu2 (non-gated squared-ReLU experts): w1 [E_loc, I, H], FLOPs with one fc1
+    GEMM, torch-unfused and the mok backend against the reference."""
+    local = S.ep8_proxy(S.get_shape("tiny-relu2"))
+    weights = L.make_weights(local, "cpu", seed=0)
+    assert weights.w1.shape == (local.num_local_experts, local.inter, local.hidden)
+    gated = S.ep8_proxy(S.get_shape("tiny-noshared"))
+    assert S.pass_flops(local, 96, "fwd") == pytest.approx(2 / 3 * S.pass_flops(gated, 96, "fwd"))
+    case = L.make_case(local, 96, "skewed", "cpu", seed=0)
+    ref = L.reference_outputs(case, weights, want_grads=True, activation=local.activation)
+    args = argparse.Namespace(mok_backend="auto", seed=0)
+    for backend in (L.make_backend("torch-unfused", local, weights, "cpu", args),
+                    L.make_backend("mok", local, weights, "cpu", args)):
+        result = L.check_backend(backend, case, ref)
+        assert result["fwd_rel_l2"] < L.CHECK_TOL, backend.name
+        assert result["bwd_rel_l2_max"] < L.CHECK_TOL, (backend.name, result["bwd_rel_l2"])
+
+
 def test_torch_unfused_dropped_routes():
     local = S.ep8_proxy(S.get_shape("tiny"))
     w = L.make_weights(local, "cpu", seed=1)

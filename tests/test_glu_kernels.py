@@ -13,53 +13,27 @@ from megatron_mok import functional as mok
 from megatron_mok.config import MoKConfig
 from megatron_mok.kernels import grouped_gemm as gg
 from moe_inputs import make_moe_inputs, rel_l2
+from row_tables import COUNTS, rand_bf16, row_table, segments
 
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
 CLAMPED_SILU = A.ExpertActivation("silu", gated=True, clamp=2.5, linear_offset=0.5)
 ACTIVATIONS = [A.GPT_OSS, CLAMPED_SILU]
-COUNTS = {"balanced": [256, 256, 256, 256], "ragged": [1, 0, 300, 129, 0, 77]}
 DIMS = [(320, 200), (512, 1408)]  # (H, I): column tails of every tile width
-
-
-def _table(counts):
-    padded = [-(-c // 128) * 128 for c in counts]
-    offsets = [0]
-    for p in padded:
-        offsets.append(offsets[-1] + p)
-    capacity = offsets[-1] + 128
-    real = torch.zeros(capacity, dtype=torch.bool)
-    for e, c in enumerate(counts):
-        real[offsets[e]:offsets[e] + c] = True
-    return (torch.tensor(offsets, dtype=torch.int32, device="cuda"),
-            torch.tensor([offsets[-1]], dtype=torch.int32, device="cuda"), capacity, real, offsets)
-
-
-def _rand(*shape, seed, scale=1.0, real=None):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(*shape, generator=g) * scale
-    if real is not None:
-        t[~real] = 0
-    return t.bfloat16().cuda()
-
-
-def _segments(offsets):
-    return [(e, offsets[e], offsets[e + 1]) for e in range(len(offsets) - 1)
-            if offsets[e + 1] > offsets[e]]
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=lambda a: a.describe())
 @pytest.mark.parametrize("routing", list(COUNTS))
 @pytest.mark.parametrize("hidden, inter", DIMS)
 def test_fc1_glu_with_bias_and_fc2_bias_match_fp32(activation, routing, hidden, inter):
-    offsets, num_rows, capacity, real, offs = _table(COUNTS[routing])
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
     E = len(COUNTS[routing])
-    x = _rand(capacity, hidden, seed=1, real=real)
-    w1 = _rand(E, 2 * inter, hidden, seed=2, scale=4 * hidden ** -0.5)  # |h| past the clamp
-    b1 = _rand(E, 2 * inter, seed=3)
-    w2 = _rand(E, hidden, inter, seed=4, scale=inter ** -0.5)
-    b2 = _rand(E, hidden, seed=5)
+    x = rand_bf16(capacity, hidden, seed=1, real=real)
+    w1 = rand_bf16(E, 2 * inter, hidden, seed=2, scale=4 * hidden ** -0.5)  # |h| past the clamp
+    b1 = rand_bf16(E, 2 * inter, seed=3)
+    w2 = rand_bf16(E, hidden, inter, seed=4, scale=inter ** -0.5)
+    b2 = rand_bf16(E, hidden, seed=5)
     glu = activation.kernel_glu
     used = int(num_rows.item())  # rows past it are never written
     act, h = gg.fc1_swiglu(x, w1, offsets, num_rows, bias=b1, glu=glu)
@@ -69,7 +43,7 @@ def test_fc1_glu_with_bias_and_fc2_bias_match_fp32(activation, routing, hidden, 
     y_1 = gg.rows_matmul(act, w2, offsets, num_rows, bias=b2, max_ctas=5)
     assert torch.equal(y[:used], y_1[:used])
     clamped = 0
-    for e, lo, hi in _segments(offs):
+    for e, lo, hi in segments(offs):
         h_ref = x[lo:hi].float() @ w1[e].float().t() + b1[e].float()
         clamped += int((h_ref[:, :inter] > activation.clamp).sum())
         assert rel_l2(h[lo:hi].float(), h_ref) < TOL, e
@@ -79,14 +53,14 @@ def test_fc1_glu_with_bias_and_fc2_bias_match_fp32(activation, routing, hidden, 
         assert rel_l2(y[lo:hi].float(), y_ref) < TOL, e
     assert clamped > 0  # the clamp was exercised
     # A NaN in fc1's output stays a NaN through the clamp (torch.clamp's semantics).
-    e, lo, hi = _segments(offs)[0]
+    e, lo, hi = segments(offs)[0]
     x_nan = x.clone()
     x_nan[lo, 0] = float("nan")
     act_nan, _ = gg.fc1_swiglu(x_nan, w1, offsets, num_rows, bias=b1, glu=glu)
     assert torch.isnan(act_nan[lo]).all() and not torch.isnan(act_nan[lo + 1:used]).any()
     # SwiGLU keeps its own epilogue; its bias goes through the same add.
     act_s, h_s = gg.fc1_swiglu(x, w1, offsets, num_rows, bias=b1)
-    e, lo, hi = _segments(offs)[0]
+    e, lo, hi = segments(offs)[0]
     h_ref = x[lo:hi].float() @ w1[e].float().t() + b1[e].float()
     assert rel_l2(act_s[lo:hi].float(), A.SWIGLU(h_ref)) < TOL
 
@@ -100,11 +74,11 @@ def test_dgrad_glu_routed_matches_its_closed_form(activation, routing, hidden, i
     partials sum to <acc, act>, act_scaled = w * act; the same bits for h through the ring
     or from global memory and any grid size."""
     monkeypatch.setenv("MOK_GEMM_CLUSTER", "1")
-    offsets, num_rows, capacity, real, offs = _table(COUNTS[routing])
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
     E = len(COUNTS[routing])
-    dy = _rand(capacity, hidden, seed=11, real=real)
-    h = _rand(capacity, 2 * inter, seed=12, scale=5.0, real=real)
-    w2 = _rand(E, hidden, inter, seed=13, scale=inter ** -0.5)
+    dy = rand_bf16(capacity, hidden, seed=11, real=real)
+    h = rand_bf16(capacity, 2 * inter, seed=12, scale=5.0, real=real)
+    w2 = rand_bf16(E, hidden, inter, seed=13, scale=inter ** -0.5)
     row_w = (torch.rand(capacity, generator=torch.Generator().manual_seed(14)) * real).cuda()
     glu = activation.kernel_glu
     used = int(num_rows.item())
@@ -120,7 +94,7 @@ def test_dgrad_glu_routed_matches_its_closed_form(activation, routing, hidden, i
     d_h, dots_part, act_scaled = runs[0]
     act = activation(h.float())
     w = row_w[:, None]
-    for e, lo, hi in _segments(offs):
+    for e, lo, hi in segments(offs):
         acc = dy[lo:hi].float() @ w2[e].float()
         ref = A.glu_backward(activation, h[lo:hi], w[lo:hi] * acc)
         assert rel_l2(d_h[lo:hi].float(), ref) < TOL, e
@@ -134,15 +108,15 @@ def test_dgrad_glu_routed_matches_its_closed_form(activation, routing, hidden, i
     assert torch.count_nonzero(d_h[:used, inter:][u.abs() > activation.clamp]) == 0
     # The unrouted variant (no router weights) gives the GLU backward of dy @ w2 itself.
     d_h_plain = gg.dgrad_swiglu(dy, w2, h, offsets, num_rows, glu=glu)[:used]
-    e, lo, hi = _segments(offs)[-1]
+    e, lo, hi = segments(offs)[-1]
     ref = A.glu_backward(activation, h[lo:hi], dy[lo:hi].float() @ w2[e].float())
     assert rel_l2(d_h_plain[lo:hi].float(), ref) < TOL
 
 
 @pytest.mark.parametrize("routing", list(COUNTS))
 def test_segment_column_sums_are_exact_per_expert_sums(routing):
-    offsets, num_rows, capacity, real, offs = _table(COUNTS[routing])
-    rows = _rand(capacity, 1416, seed=21, real=real)
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    rows = rand_bf16(capacity, 1416, seed=21, real=real)
     scale = torch.rand(capacity, generator=torch.Generator().manual_seed(22)).cuda()
     for s in (None, scale):
         out = gg.segment_column_sums(rows, offsets, num_rows, scale=s)
@@ -158,9 +132,9 @@ def test_segment_column_sums_are_exact_per_expert_sums(routing):
 
 @pytest.mark.parametrize("routing", list(COUNTS))
 def test_segment_row_dots_are_each_rows_dot_with_its_experts_vector(routing):
-    offsets, num_rows, capacity, real, offs = _table(COUNTS[routing])
-    rows = _rand(capacity, 2888, seed=31, real=real)
-    vecs = _rand(len(offs) - 1, 2888, seed=32)
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    rows = rand_bf16(capacity, 2888, seed=31, real=real)
+    vecs = rand_bf16(len(offs) - 1, 2888, seed=32)
     out = gg.segment_row_dots(rows, vecs, offsets, num_rows)
     assert torch.equal(out, gg.segment_row_dots(rows, vecs, offsets, num_rows))
     for e in range(len(offs) - 1):

@@ -5,7 +5,7 @@ import torch
 
 from megatron_mok import functional as mok
 from megatron_mok import reference
-from megatron_mok.activations import SQUARED_RELU
+from megatron_mok.activations import ExpertActivation
 from megatron_mok.config import MoKConfig
 from moe_inputs import make_moe_inputs
 
@@ -84,7 +84,8 @@ def test_comm_sms_must_leave_compute_sms():
 
 
 @pytest.mark.parametrize("config, match", [
-    (MoKConfig(backend="kernel", activation=SQUARED_RELU), "GLU experts of silu or quick_gelu"),
+    (MoKConfig(backend="kernel", activation=ExpertActivation("gelu", gated=True)),
+     "GLU experts of silu or quick_gelu"),
     (MoKConfig(backend="kernel", fp8="blockwise"), "no FP8 GEMMs"),
 ])
 def test_kernel_backend_refuses_what_it_cannot_run_even_where_it_loads(monkeypatch, config,

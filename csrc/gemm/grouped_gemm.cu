@@ -7,10 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "gemm/grouped_gemm.cuh"
-#include "gemm/pingpong.cuh"
-#include "gemm/host.cuh"
-#include "knobs.h"
+#include "gemm/launch.cuh"
 
 namespace megatron_mok {
 namespace {
@@ -22,112 +19,6 @@ using gemm::GemmParams;
 using gemm::Grouping;
 using gemm::bf16;
 using namespace gemm_host;
-
-// MOK_GEMM_SCHEDULER=static: CTA b takes tasks b, b + grid, ...; otherwise (default) tasks
-// come from a global counter zeroed before each launch (single-CTA clusters only).
-bool counter_scheduler() { return !knobs::current().static_scheduler; }
-
-int cluster_size() { return knobs::current().cluster; }
-
-// MOK_GEMM_PINGPONG=1: fc2 / the dgrads on the ping-pong kernel (core v6, opt-in).
-bool pingpong() { return knobs::current().pingpong; }
-
-// MOK_DGRAD_H=global: the dgrad + SwiGLU-backward epilogue reads h from global memory (the
-// core before v5); otherwise the producer loads it through the operand ring.
-bool h_through_ring() { return !knobs::current().dgrad_h_global; }
-
-// Calls f(Cfg<1>{}) or f(Cfg<2>{}) by the cluster size.
-template <template <int> class Cfg, class F>
-void with_cluster(F&& f) {
-  if (cluster_size() == 2) f(Cfg<2>{}); else f(Cfg<1>{});
-}
-
-// out: the output (kRows: rows x N; kTokensAsK: M x N x E); h: the SwiGLU pre-activations
-// as (rows, I, 2) when stored, else the same view as out (unused).
-// h_in (kHRing): the SwiGLU pre-activations [rows, 2I] that the epilogue reads through the
-// operand ring.
-template <class Cfg, bool kReduce = false, bool kHRing = false, bool kPingPong = false>
-void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, int a_rows,
-            int a_cols, const at::Tensor& b, typename Cfg::StrideB stride_b, int b_n, int b_k,
-            int b_q, const OutView& out, const OutView& h, int64_t max_ctas,
-            const at::Tensor* h_in = nullptr) {
-  constexpr int C = Cfg::kCluster;
-  if (p.num_tasks <= 0 || p.n_tiles <= 0) return;
-  // Tasks are groups of C neighbouring row tiles (one per CTA of a cluster).
-  const int m_groups = (p.m_tiles + C - 1) / C;
-  p.num_tasks = (p.num_tasks / p.m_tiles) * m_groups;
-  make_context_current(a);
-  auto tma_a = make_load_a<Cfg>(a, stride_a, a_rows, a_cols);
-  auto tma_b = make_load_b<Cfg>(b, stride_b, b_n, b_k, b_q);
-  auto tma_b_mc = [&] {
-    if constexpr (C == 1) {
-      return tma_b;
-    } else {
-      auto mB = make_tensor(make_gmem_ptr(as_bf16(b)), make_shape(b_n, b_k, b_q), stride_b);
-      return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
-                           Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{}, Int<C>{});
-    }
-  }();
-  auto tma_o = make_store_atom<Cfg, kReduce>(out);
-  auto tma_h = make_store_atom<Cfg, kReduce>(h);
-  auto tma_h_in = [&] {
-    if constexpr (kHRing) {
-      return make_load_h<Cfg>(*h_in);
-    } else {
-      return tma_a;  // unused
-    }
-  }();
-  auto kernel = [] {
-    if constexpr (kPingPong) {
-      return &gemm::grouped_gemm_pingpong_kernel<Cfg, kHRing, decltype(tma_a), decltype(tma_b),
-                                                 decltype(tma_b_mc), decltype(tma_o),
-                                                 decltype(tma_h_in)>;
-    } else {
-      return &gemm::grouped_gemm_kernel<Cfg, kHRing, decltype(tma_a), decltype(tma_b),
-                                        decltype(tma_b_mc), decltype(tma_o), decltype(tma_h_in)>;
-    }
-  }();
-  static int max_clusters_per_device[64] = {0};  // per instantiation and device
-  const int device = a.get_device();
-  int& max_clusters = max_clusters_per_device[device];
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = C == 1 ? 0 : 1;  // C = 1 launches as a plain grid
-  // Per call: the attribute is per device and cheap to set.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Cfg::kSmemBytes));
-  if (max_clusters == 0) {
-    if constexpr (C == 1) {
-      max_clusters = num_sms(a.get_device());
-    } else {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-      config.gridDim = dim3(num_sms(a.get_device()) / C * C);
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-      TORCH_CHECK(max_clusters > 0, "megatron_mok: no cluster of ", C, " CTAs fits this GPU");
-    }
-  }
-  at::Tensor counter;  // lives until the launch is queued; the allocator orders its reuse
-  if (C == 1 && counter_scheduler()) {
-    counter = at::zeros({1}, a.options().dtype(at::kInt));
-    p.task_counter = counter.data_ptr<int>();
-  }
-  int clusters = std::min(max_clusters, p.num_tasks);
-  if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
-  config.gridDim = dim3(clusters * C);
-  const gemm::OperandShapes shapes{a_rows, a_cols, b_n, b_k, b_q};
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_b_mc, tma_o, tma_h,
-                                    tma_h_in, shapes));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
 
 void grouped_fc1_swiglu_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
                              const at::Tensor& offsets, const at::Tensor& num_rows,

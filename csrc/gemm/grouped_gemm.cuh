@@ -82,7 +82,9 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
       const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip) continue;
-      if constexpr (Cfg::epi == Epi::kSwiGLUBwd && !kHRing) prefetch_h<Cfg>(p, task, ctid);
+      if constexpr ((Cfg::epi == Epi::kSwiGLUBwd || Cfg::epi == Epi::kActBwd) && !kHRing) {
+        prefetch_h<Cfg>(p, task, ctid);
+      }
       const bool has_k = task.k_begin < task.k_end;
       if (has_k) {
         mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, task.k_begin, task.k_end, ring,

@@ -35,6 +35,12 @@ using CfgRowsNTBias = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::
                                        __nv_bfloat16, 1, 256, 4, true>;
 using CfgDgradGlu = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kSwiGLUBwd,
                                      __nv_bfloat16, 1, 256, 4, true>;
+// Non-gated experts (grouped_act.cu): fc1 + activation (+ b1), w1 [E, I, H]; fc2 dgrad +
+// the activation's backward, w2 [E, H, I].
+using CfgFc1Act = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kAct,
+                                   __nv_bfloat16, 1>;
+using CfgDgradAct = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kActBwd,
+                                     __nv_bfloat16, 1>;
 // Core v6 ping-pong (MOK_GEMM_PINGPONG=1): 128 x 128 tiles per consumer warpgroup,
 // 6 stages of 32 KB: fc2 / dgrad (store) and the fused dgrad + SwiGLU backward.
 using CfgRowsNTPing = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kStore, __nv_bfloat16, 1, 128, 6>;
@@ -159,6 +165,16 @@ inline bool set_glu(GemmParams& p, bool glu, double alpha, double limit, double 
   p.glu_limit = float(limit);
   p.glu_offset = float(offset);
   return true;
+}
+
+// A non-gated activation (gemm::ActFn) and kSigmoidGated's alpha into the params.
+inline void set_act(GemmParams& p, int64_t act_fn, double alpha) {
+  TORCH_CHECK(act_fn >= gemm::kRelu && act_fn <= gemm::kSigmoidGated,
+              "megatron_mok: unknown non-gated activation code ", act_fn);
+  TORCH_CHECK(act_fn != gemm::kSigmoidGated || alpha > 0,
+              "megatron_mok: x sigmoid(alpha x) needs alpha > 0, got ", alpha);
+  p.act_fn = int(act_fn);
+  p.act_alpha = float(alpha);
 }
 
 // A per-expert bias [E, cols] bf16 (fc1's [E, 2I], fc2's [E, H]) into the params.

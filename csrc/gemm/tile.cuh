@@ -33,6 +33,11 @@
 // instruction issue (a runtime branch there doubled its code, perf-notes core v5), and the
 // untaken bias branches measured ~2 % on qwen3's forward (perf-notes, GLU epilogues; gone
 // once they moved here, 55d1b22).
+// Non-gated experts (fc1 is [I, H]: squared-ReLU, GeLU, ...): kAct (act = f(acc + bias),
+// optionally h = acc + bias) and kActBwd (acc = d_act; reads h [rows, N]; d_h = w acc f'(h)
+// into the output, with the routed dgrad's <acc, act> and w * act as kSwiGLUBwd), the
+// function f a runtime ActFn (one branch per value: these epilogues are new code, not the
+// issue-bound SwiGLU ones).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,7 +54,12 @@ using namespace cute;
 using bf16 = cute::bfloat16_t;
 
 enum class Grouping { kRows, kTokensAsK };
-enum class Epi { kStore, kSwiGLU, kSwiGLUBwd };
+enum class Epi { kStore, kSwiGLU, kSwiGLUBwd, kAct, kActBwd };
+
+// The non-gated activations of kAct / kActBwd; the numbers are the ops' act_fn argument
+// (megatron_mok.activations.KERNEL_ACT_FNS). kSigmoidGated: x sigmoid(alpha x) (silu:
+// alpha 1, quick_gelu: 1.702).
+enum ActFn : int { kRelu = 0, kSquaredRelu = 1, kGelu = 2, kGeluTanh = 3, kSigmoidGated = 4 };
 
 // Shared memory of a CTA: the operand ring, the epilogue staging buffers
 // ([warpgroup][buffer]), the ring's barriers and the task queue. It depends only on the
@@ -164,6 +174,10 @@ struct GemmParams {
   // at + N); nullptr: none.
   const __nv_bfloat16* col_bias;
   int64_t bias_stride;
+  // kAct / kActBwd: the activation (ActFn) and kSigmoidGated's alpha; kActBwd's h_in is
+  // [rows, N].
+  int act_fn;
+  float act_alpha;
 };
 
 __device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
@@ -274,6 +288,41 @@ __device__ __forceinline__ float glu_general_bwd_value(const GemmParams& p, floa
   d_gate = g <= lim ? d_act * lin * sig * (1.f + alpha * gc * (1.f - sig)) : 0.f;
   acc = (u >= -lim && u <= lim) ? d_act * gate_act : 0.f;
   return gate_act * lin;
+}
+
+// kAct / kActBwd: f(x) and f'(x) of the non-gated activations, in fp32 as the spec's
+// (activations.py; torch's erf-based GeLU, the tanh form for gelu_tanh). A NaN passes
+// through relu as through torch.relu.
+__device__ __forceinline__ float act_value(const GemmParams& p, float x) {
+  switch (p.act_fn) {
+    case kRelu: return x > 0.f || x != x ? x : 0.f;
+    case kSquaredRelu: { const float r = x > 0.f || x != x ? x : 0.f; return r * r; }
+    case kGelu: return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+    case kGeluTanh: {
+      const float u = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+      return 0.5f * x * (1.f + tanhf(u));
+    }
+    default: return x / (1.f + __expf(-p.act_alpha * x));
+  }
+}
+
+__device__ __forceinline__ float act_grad(const GemmParams& p, float x) {
+  switch (p.act_fn) {
+    case kRelu: return x > 0.f ? 1.f : 0.f;
+    case kSquaredRelu: return x > 0.f ? 2.f * x : 0.f;
+    case kGelu:
+      return 0.5f * (1.f + erff(x * 0.70710678118654752f)) +
+             x * 0.39894228040143268f * __expf(-0.5f * x * x);
+    case kGeluTanh: {
+      const float x2 = x * x, t = tanhf(0.79788456080286536f * (x + 0.044715f * x2 * x));
+      return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * 0.79788456080286536f *
+                                    (1.f + 3.f * 0.044715f * x2);
+    }
+    default: {
+      const float s = sigmoid_fast(p.act_alpha * x);
+      return s * (1.f + p.act_alpha * x * (1.f - s));
+    }
+  }
 }
 
 // Adds bias[c0 + column of accumulator i] (bf16) to accumulators [i0, i0 + kCount) of a
@@ -619,16 +668,20 @@ __device__ __forceinline__ void emit_chunk(Storage& smem, EpilogueState& es, con
 // kSwiGLUBwd: the epilogue reads this tile's h (gate and up: 128 rows x BN columns each)
 // straight from global memory; ask L2 for it before the mainloop, so that those loads hit
 // L2 instead of waiting on DRAM. ctid: the thread's index among the 256 consumer threads.
+// kActBwd: h is [rows, N], one part.
 template <class Cfg>
 __device__ __forceinline__ void prefetch_h(const GemmParams& p, const Task& task, int ctid) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  constexpr int kParts = Cfg::epi == Epi::kActBwd ? 1 : 2;
   constexpr int kLines = BN * 2 / 128;  // 128-byte lines per row and part
   const int n0 = task.n_tile * BN;
 #pragma unroll 1
-  for (int line = ctid; line < BM * 2 * kLines; line += 256) {
-    const int r = line / (2 * kLines), part = (line / kLines) % 2, c = n0 + (line % kLines) * 64;
+  for (int line = ctid; line < BM * kParts * kLines; line += 256) {
+    const int r = line / (kParts * kLines), part = (line / kLines) % kParts;
+    const int c = n0 + (line % kLines) * 64;
     if (c < p.N) {
-      const __nv_bfloat16* ptr = p.h_in + int64_t(task.m_tile * BM + r) * 2 * p.N + part * p.N + c;
+      const __nv_bfloat16* ptr =
+          p.h_in + int64_t(task.m_tile * BM + r) * kParts * p.N + part * p.N + c;
       asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
     }
   }
@@ -649,6 +702,19 @@ struct HFromGlobal {
       const __nv_bfloat16* h = p.h_in + int64_t(r) * 2 * p.N + c;
       g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h));
       u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(h + p.N));
+    }
+  }
+};
+
+// kActBwd's h [rows, N] from global memory: load gives the pair at (r, c) as g (u unused).
+struct HFromGlobalSingle {
+  const GemmParams& p;
+  __device__ __forceinline__ void load(int, int, int r, int c, float2& g, float2& u) const {
+    g = make_float2(0.f, 0.f);
+    u = g;
+    if (c < p.N) {
+      g = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(p.h_in + int64_t(r) * p.N + c));
     }
   }
 };
@@ -732,7 +798,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
   Tensor mO = tma_o.get_tma_tensor(make_shape(
       Cfg::group == Grouping::kRows ? p.rows_cap : p.M, p.N,
       Cfg::group == Grouping::kRows ? 1 : p.num_experts));
-  Tensor mH = tma_h.get_tma_tensor(make_shape(p.rows_cap, p.N, 2));
+  Tensor mH = tma_h.get_tma_tensor(make_shape(p.rows_cap, p.N, Cfg::epi == Epi::kAct ? 1 : 2));
   const int m0 = task.m_tile * BM;
   const int row_tile = 2 * task.m_tile + es.wg;  // this warpgroup's 64 rows
   if constexpr (Cfg::epi == Epi::kStore) {
@@ -779,6 +845,69 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
                               return make_float2(accum(j), accum(j + 1));
                             });
           }
+        }
+      }
+    }
+  } else if constexpr (Cfg::epi == Epi::kAct) {  // act = f(acc + bias) (+ h = acc + bias)
+    if (p.col_bias != nullptr) {
+      add_column_bias<kAcc>(accum, 0, p.col_bias + task.expert * p.bias_stride,
+                            task.n_tile * BN, p.N, es.col_t);
+    }
+    CUTE_UNROLL
+    for (int q = 0; q < BN / CW; ++q) {
+      if ((task.n_tile * BN + q * CW) < p.N) {
+        const int col_chunk = task.n_tile * (BN / CW) + q;
+        emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
+          return make_float2(act_value(p, accum(i)), act_value(p, accum(i + 1)));
+        });
+        if (p.store_h) {
+          emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8),
+                          [&](int i) { return make_float2(accum(i), accum(i + 1)); });
+        }
+      }
+    }
+  } else if constexpr (Cfg::epi == Epi::kActBwd) {
+    // d_h = w * acc * f'(h) into the accumulators, then stored as the output; with row_scale
+    // also <acc, f(h)> per row and column tile and w * f(h), as kSwiGLUBwd below.
+    const bool scaled = p.row_scale != nullptr;
+    float w[2] = {1.f, 1.f}, dot[2] = {0.f, 0.f};
+    if (scaled) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        w[half] = __ldcg(p.row_scale + m0 + 64 * es.wg + es.row_t + 8 * half);
+      }
+    }
+    CUTE_UNROLL
+    for (int q = 0; q < BN / CW; ++q) {
+      if (task.n_tile * BN + q * CW < p.N) {
+        const int col_chunk = task.n_tile * (BN / CW) + q;
+        swiglu_bwd_chunk<Cfg>(es, task, m0, q, HFromGlobalSingle{p},
+                              [&](int i, int, int half, int r, int c, float2 hv, float2) {
+          if (scaled) {
+            const float act0 = act_value(p, hv.x), act1 = act_value(p, hv.y);
+            dot[half] += accum(i) * act0;
+            dot[half] += accum(i + 1) * act1;
+            if (c < p.N) {
+              const __nv_bfloat162 a = __floats2bfloat162_rn(w[half] * act0, w[half] * act1);
+              *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) = a;
+            }
+          }
+          accum(i) = w[half] * accum(i) * act_grad(p, hv.x);
+          accum(i + 1) = w[half] * accum(i + 1) * act_grad(p, hv.y);
+        });
+        emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8),
+                        [&](int i) { return make_float2(accum(i), accum(i + 1)); });
+      }
+    }
+    if (scaled) {  // the quad butterfly of kSwiGLUBwd below
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float s = dot[half];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (es.wg_thread % 4 == 0) {
+          const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
+          p.dots_part[int64_t(r) * p.n_tiles + task.n_tile] = s;
         }
       }
     }

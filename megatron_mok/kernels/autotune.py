@@ -162,7 +162,11 @@ def _resolve_forward_plan(ws, inter: int, config) -> ForwardPlan:
     """The forward path and knobs for this workspace: MOK_FORWARD, else the cached plan
     (config.autotune), else the default with the config's knobs: at EP = 1 the spread
     megakernel where it can run (measured 0.97-1.17x the launch chain's time, 5 of 6
-    shapes faster: docs/megakernel.md), otherwise the launch chain."""
+    shapes faster: docs/megakernel.md), otherwise the launch chain. Non-gated experts
+    (squared-ReLU, GeLU) always run the launch chain: the megakernels' epilogues are the
+    GLU ones (MOK_FORWARD does not apply to them)."""
+    if not config.activation.gated:
+        return ForwardPlan("launches", config.fwd_num_comm_sms, config.minibatch_size)
     path = ("megakernel-spread" if ws.ep_size == 1 and megakernel.runnable(ws.hidden_size)
             else "launches")
     default = ForwardPlan(path, config.fwd_num_comm_sms, config.minibatch_size)
@@ -225,8 +229,11 @@ def _resolve_backward_plan(ws, inter: int, config, dtype: torch.dtype,
                            in_place: bool) -> BackwardPlan:
     """The backward's dgrad path: MOK_BACKWARD (with MOK_BACKWARD_MINIBATCH) if set, else
     the cached plan (config.autotune) where the megakernel can run, else the launch chain
-    (the backward megakernel is not yet measured: docs/perf-notes.md)."""
+    (the backward megakernel is not yet measured: docs/perf-notes.md). Non-gated experts:
+    the launch chain, whatever MOK_BACKWARD says (as the forward)."""
     minibatch = int(knobs.get("MOK_BACKWARD_MINIBATCH"))
+    if config is not None and not config.activation.gated:
+        return BackwardPlan("launches", minibatch)
     if knobs.is_set("MOK_BACKWARD"):
         return BackwardPlan(megakernel.backward_path(ws, dtype, in_place), minibatch)
     plan = lookup_backward(backward_key(ws, inter)) if config is None or config.autotune \

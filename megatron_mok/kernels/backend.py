@@ -93,8 +93,11 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     activation = config.activation
     num_tokens, hidden = x.shape
     topk_idx = sched.topk_idx_all[ws.ep_rank]
-    plan = autotune.forward_plan(ws, w1.shape[1] // 2, config)
+    inter = w1.shape[1] // activation.fc1_rows_per_inter
+    plan = autotune.forward_plan(ws, inter, config)
     fused = gemm_core() == "mok" and plan.path != "launches"
+    if fused and not activation.gated:  # the plans keep them on the chain (autotune)
+        raise RuntimeError("megatron_mok: the forward megakernel runs GLU experts only")
     if ws.ep_size > 1 or not fused:  # the megakernel pulls straight from x at EP = 1
         arena.view("x").copy_(x)
     shared_out = shared_leaves = None
@@ -191,9 +194,12 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     # SwiGLU backward, fc1 dgrad and (MOK_BACKWARD_WGRAD=fused) the weight gradients in
     # one launch; at EP = 1 it reads dy itself (nothing is published), at
     # EP > 1 it pulls from the peers' arenas and writes the owners' slots (no push launch).
-    plan = autotune.backward_plan(ws, saved.w1.shape[1] // 2, saved.config, dy.dtype,
-                                  saved.route_row is not None)
+    activation = saved.activation
+    plan = autotune.backward_plan(ws, saved.w1.shape[1] // activation.fc1_rows_per_inter,
+                                  saved.config, dy.dtype, saved.route_row is not None)
     fused = core == "mok" and plan.path == "megakernel"
+    if fused and not activation.gated:
+        raise RuntimeError("megatron_mok: the backward megakernel runs GLU experts only")
     if not fused or ws.ep_size > 1:
         arena.view("dy").copy_(dy)
         arena.view("topk_w").copy_(saved.topk_w)

@@ -12,6 +12,9 @@ outputs, read the counts on the device and never synchronise with the host.
     dgrad_swiglu(d_out, w2, h)    d_h = SwiGLU'(h) * (d_out @ w2[e])   fc2 dgrad + SwiGLU bwd
     dgrad_swiglu_routed(dy_rows, row_w, w2, h)   the same with d_out = row_w * dy_rows, also
                                   <dy_rows @ w2[e], act> per column tile and row_w * act
+    fc1_act(x_rows, w1, act)      act = f(x w1^T) for non-gated experts (w1 [E, I, H])
+    dgrad_act_routed(dy_rows, row_w, w2, h, act)   d_h = f'(h) * row_w * (dy_rows @ w2[e]),
+                                  with the same dots_part and act_scaled as the SwiGLU one
     wgrad(a, b)                   out[e] = a[rows of e]^T @ b[rows of e]   weight gradients
     segment_column_sums(rows)     out[e] = sum of rows of e (optionally scaled)   bias gradients
     segment_row_dots(rows, vecs)  out[r] = <rows[r], vecs[e of r]>   b2's part of d_topk_w
@@ -154,6 +157,39 @@ def fc1_swiglu(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Ten
     return act, h
 
 
+def _kernel_act(activation) -> tuple[int, float]:
+    act = activation.kernel_act
+    if act is None:
+        raise ValueError(f"megatron_mok: {activation.describe()} is a GLU: use fc1_swiglu / "
+                         f"dgrad_swiglu_routed (the non-gated ops take f(h) of one column)")
+    return act
+
+
+def fc1_act(x_rows: torch.Tensor, w1: torch.Tensor, expert_offsets: torch.Tensor,
+            num_rows: torch.Tensor, activation, *, save_h: bool = True, max_ctas: int = 0,
+            bias: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(act [rows, I], h [rows, I] or None) of a non-gated expert (activation: an
+    ExpertActivation with kernel_act; w1 [E, I, H]): fc1 (+ bias [E, I]) with f in the
+    epilogue (fp32, one rounding of act); h is the bf16 pre-activation (bias included)."""
+    act_fn, alpha = _kernel_act(activation)
+    _check("x_rows", x_rows, 2)
+    _check("w1", w1, 3)
+    rows, hidden = x_rows.shape
+    if w1.shape[2] != hidden:
+        raise ValueError(f"megatron_mok: w1 must be [E, I, {hidden}], got {tuple(w1.shape)}")
+    inter = w1.shape[1]
+    _check_table(rows, expert_offsets, w1.shape[0], num_rows)
+    check_multiple_of_8(hidden=hidden, inter=inter)
+    _check_cuda(x_rows=x_rows, w1=w1, expert_offsets=expert_offsets, num_rows=num_rows)
+    check_bias("b1", bias, w1.shape[0], inter, x_rows)
+    act = x_rows.new_empty(rows, inter)
+    h = x_rows.new_empty(rows, inter) if save_h else None
+    torch.ops.megatron_mok.grouped_fc1_act(x_rows, w1, expert_offsets, num_rows, act, h,
+                                           max_ctas, bias, act_fn, alpha)
+    return act, h
+
+
 def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
                 num_rows: torch.Tensor, w_transposed: bool = False, *, max_ctas: int = 0,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -230,6 +266,40 @@ def dgrad_swiglu_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Te
     torch.ops.megatron_mok.grouped_dgrad_swiglu(dy_rows, w2, expert_offsets, num_rows, h, d_h,
                                                 max_ctas, row_w, dots_part, act_scaled,
                                                 *glu_tail)
+    return d_h, dots_part, act_scaled
+
+
+def dgrad_act_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Tensor,
+                     h: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
+                     activation, *, max_ctas: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dgrad_swiglu_routed for a non-gated expert (h [rows, I]): acc = dy_rows @ w2[e] in
+    fp32, d_h = row_w * acc * f'(h); dots_part = <acc, f(h)> per column tile; act_scaled =
+    row_w * f(h)."""
+    act_fn, alpha = _kernel_act(activation)
+    _check("d_out", dy_rows, 2)
+    _check("w2", w2, 3)
+    _check("h", h, 2)
+    rows, hidden = dy_rows.shape
+    inter = w2.shape[2]
+    if w2.shape[1] != hidden:
+        raise ValueError(f"megatron_mok: w2 must be [E, {hidden}, I], got {tuple(w2.shape)}")
+    if tuple(h.shape) != (rows, inter):
+        raise ValueError(f"megatron_mok: h must be [{rows}, {inter}], got {tuple(h.shape)}")
+    _check_table(rows, expert_offsets, w2.shape[0], num_rows)
+    check_multiple_of_8(hidden=hidden, inter=inter)
+    if row_w.dtype != torch.float32 or tuple(row_w.shape) != (rows,):
+        raise ValueError(f"megatron_mok: row_w must be float32 [{rows}], got "
+                         f"{row_w.dtype} {tuple(row_w.shape)}")
+    _check_cuda(dy_rows=dy_rows, row_w=row_w, w2=w2, h=h, expert_offsets=expert_offsets,
+                num_rows=num_rows)
+    d_h = torch.empty_like(h)
+    dots_part = torch.empty(rows, dgrad_col_tiles(inter), dtype=torch.float32,
+                            device=dy_rows.device)
+    act_scaled = dy_rows.new_empty(rows, inter)
+    torch.ops.megatron_mok.grouped_dgrad_act(dy_rows, w2, expert_offsets, num_rows, h, d_h,
+                                             max_ctas, row_w, dots_part, act_scaled, act_fn,
+                                             alpha)
     return d_h, dots_part, act_scaled
 
 

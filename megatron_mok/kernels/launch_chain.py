@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from megatron_mok import knobs
-from megatron_mok.activations import SWIGLU, ExpertActivation, glu_backward
+from megatron_mok.activations import SWIGLU, ExpertActivation, activation_backward
 from megatron_mok.config import MoKConfig
 from megatron_mok.kernels import grouped_gemm, megakernel, ops
 from megatron_mok.schedule import MoKSchedule
@@ -52,8 +52,9 @@ class KernelSaved:
     w1: torch.Tensor
     w2: torch.Tensor
     x_rows: torch.Tensor       # [capacity, H] routed tokens, row-table order
-    h: torch.Tensor            # [capacity, 2I] fc1 output (gate; up); the backward
-                               # recomputes SwiGLU(h) (no act or y rows are kept)
+    h: torch.Tensor            # [capacity, 2I] fc1 output (gate; up), [capacity, I] for
+                               # non-gated experts; the backward recomputes the activation
+                               # from it (no act or y rows are kept)
     shared_out: Optional[torch.Tensor]
     shared_leaves: Optional[tuple]
     x: Optional[torch.Tensor] = None  # EP = 1 direct megakernel: x_rows is gathered again
@@ -82,7 +83,12 @@ def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: t
     """v1: fc2 dgrad with the router weights and the activation's backward, then fc1 dgrad,
     as separate launches, from the pulled dy rows and their weights."""
     activation = saved.activation
-    if core == "mok":
+    if core == "mok" and not activation.gated:
+        d_h, dots_part, act_scaled = grouped_gemm.dgrad_act_routed(
+            dy_rows, row_w, saved.w2, saved.h, sched.expert_offsets, sched.num_rows, activation)
+        dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
+                                           w_transposed=True)
+    elif core == "mok":
         d_h, dots_part, act_scaled = grouped_gemm.dgrad_swiglu_routed(
             dy_rows, row_w, saved.w2, saved.h, sched.expert_offsets, sched.num_rows,
             glu=activation.kernel_glu)
@@ -93,7 +99,7 @@ def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: t
         act = activation(saved.h)
         dots_part = (acc * act).sum(1, keepdim=True)
         w = row_w.unsqueeze(1)
-        d_h = glu_backward(activation, saved.h, w * acc).to(saved.h.dtype)
+        d_h = activation_backward(activation, saved.h, w * acc).to(saved.h.dtype)
         act_scaled = (w * act).to(dy_rows.dtype)
         dx_rows = torch._grouped_mm(d_h, saved.w1, offs=offs)
     return megakernel.DataGradients(dy_rows, row_w, dots_part, act_scaled, d_h, dx_rows)
@@ -108,8 +114,12 @@ def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, k
     ops.pull_rows(arena.peer_base, arena.offset("x"), sched, ws.topk, x_rows)
     if gemm_core() == "mok":
         w1, w2 = w1.contiguous(), w2.contiguous()
-        act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
-                                         save_h=keep_ctx, bias=b1, glu=activation.kernel_glu)
+        if activation.gated:
+            act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
+                                             save_h=keep_ctx, bias=b1, glu=activation.kernel_glu)
+        else:
+            act, h = grouped_gemm.fc1_act(x_rows, w1, sched.expert_offsets, sched.num_rows,
+                                          activation, save_h=keep_ctx, bias=b1)
         y_rows = grouped_gemm.rows_matmul(act, w2, sched.expert_offsets, sched.num_rows,
                                           bias=b2)
     else:
