@@ -51,7 +51,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
     ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   tests_line="$(tail -1 "$OUT/pytest_gpu.log")$(grep -cE '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" \
-    | sed 's/^/; FAILED/ERROR lines: /')"
+    | sed 's|^|; FAILED/ERROR lines: |')"
 fi
 if [ "${DEMO:-1}" = 1 ]; then
   PYTHON=$PY bash examples/demo.sh > "$OUT/demo.log" 2>&1 || status=1

@@ -57,9 +57,10 @@ def test_fc1_act_matches_fp32(function, routing, hidden, inter):
 @pytest.mark.parametrize("function", FUNCTIONS)
 @pytest.mark.parametrize("routing", list(COUNTS))
 @pytest.mark.parametrize("hidden, inter", DIMS)
-def test_dgrad_act_routed_matches_its_closed_form(function, routing, hidden, inter):
+def test_dgrad_act_routed_matches_its_closed_form(function, routing, hidden, inter,
+                                                  monkeypatch):
     """d_h = f'(h) * w * (dy @ w2), the partials sum to <acc, f(h)>, act_scaled = w f(h);
-    the same bits for any grid size."""
+    the same bits for h through the ring or from global memory and any grid size."""
     activation = _non_gated(function)
     offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
     E = len(COUNTS[routing])
@@ -68,10 +69,13 @@ def test_dgrad_act_routed_matches_its_closed_form(function, routing, hidden, int
     w2 = rand_bf16(E, hidden, inter, seed=13, scale=inter ** -0.5)
     row_w = (torch.rand(capacity, generator=torch.Generator().manual_seed(14)) * real).cuda()
     used = int(num_rows.item())
-    runs = [[t[:used] for t in gg.dgrad_act_routed(dy, row_w, w2, h, offsets, num_rows,
-                                                    activation, max_ctas=m)]
-            for m in (0, 5)]
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    runs = []
+    for h_path, max_ctas in (("ring", 0), ("ring", 5), ("global", 0)):
+        monkeypatch.setenv("MOK_DGRAD_H", h_path)
+        runs.append([t[:used] for t in gg.dgrad_act_routed(dy, row_w, w2, h, offsets, num_rows,
+                                                            activation, max_ctas=max_ctas)])
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other, runs[0]))
     d_h, dots_part, act_scaled = runs[0]
     act = activation(h.float())
     w = row_w[:, None]

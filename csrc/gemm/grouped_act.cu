@@ -30,8 +30,7 @@ void grouped_fc1_act_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
   TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
   c10::cuda::CUDAGuard guard(x_rows.device());
-  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFc1Act::BN);
-  set_act(p, act_fn, act_alpha);
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFc1Act<0>::BN);
   if (h.has_value()) {
     check_bf16_cuda(*h, "h", 2);
     TORCH_CHECK(h->sizes() == act.sizes(), "megatron_mok: h must be [rows, I]");
@@ -39,9 +38,12 @@ void grouped_fc1_act_cuda(const at::Tensor& x_rows, const at::Tensor& w1,
   }
   set_col_bias(p, bias, E, I, x_rows.device(), "b1");
   const OutView act_view = rows_view(act);
-  launch<CfgFc1Act>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
-                    make_stride(H, _1{}, I * H), int(I), int(H), int(E), act_view,
-                    h.has_value() ? rows_view(*h) : act_view, max_ctas);
+  with_act(p, act_fn, act_alpha, [&](auto fn) {
+    launch<CfgFc1Act<decltype(fn)::value>>(p, x_rows, make_stride(H, _1{}), int(R), int(H), w1,
+                                           make_stride(H, _1{}, I * H), int(I), int(H), int(E),
+                                           act_view, h.has_value() ? rows_view(*h) : act_view,
+                                           max_ctas);
+  });
 }
 
 void grouped_dgrad_act_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
@@ -61,8 +63,7 @@ void grouped_dgrad_act_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
   TORCH_CHECK(h.size(0) == R && h.size(1) == I && d_h.sizes() == h.sizes(),
               "megatron_mok: h and d_h must be [rows, I]");
   c10::cuda::CUDAGuard guard(dy_rows.device());
-  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradAct::BN);
-  set_act(p, act_fn, act_alpha);
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradAct<0>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
   const bool scaled = row_w.has_value();
   TORCH_CHECK(dots_part.has_value() == scaled && act_scaled.has_value() == scaled,
@@ -73,9 +74,21 @@ void grouped_dgrad_act_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
     p.dots_part = dots_part->data_ptr<float>();
     p.act_scaled = reinterpret_cast<__nv_bfloat16*>(act_scaled->data_ptr());
   }
-  launch<CfgDgradAct>(p, dy_rows, make_stride(H, _1{}), int(R), int(H), w2,
-                      make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),
-                      rows_view(d_h), max_ctas);
+  // h through the operand ring (default), or read by the epilogue from global memory
+  // (MOK_DGRAD_H=global): the same bits.
+  const bool ring = h_through_ring();
+  with_act(p, act_fn, act_alpha, [&](auto fn) {
+    using Cfg = CfgDgradAct<decltype(fn)::value>;
+    if (ring) {
+      launch<Cfg, false, true>(p, dy_rows, make_stride(H, _1{}), int(R), int(H), w2,
+                               make_stride(_1{}, I, H * I), int(I), int(H), int(E),
+                               rows_view(d_h), rows_view(d_h), max_ctas, &h);
+    } else {
+      launch<Cfg>(p, dy_rows, make_stride(H, _1{}), int(R), int(H), w2,
+                  make_stride(_1{}, I, H * I), int(I), int(H), int(E), rows_view(d_h),
+                  rows_view(d_h), max_ctas);
+    }
+  });
 }
 
 }  // namespace

@@ -21,9 +21,9 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
                     const __grid_constant__ TmaB tma_b, const __grid_constant__ TmaBmc tma_b_mc,
                     const __grid_constant__ TmaO tma_o, const __grid_constant__ TmaO tma_h,
                     const __grid_constant__ TmaHIn tma_h_in, const OperandShapes shapes) {
-  static_assert(!kHRing || (Cfg::epi == Epi::kSwiGLUBwd && Cfg::kCluster == 1 &&
-                            Cfg::group == Grouping::kRows),
-                "h through the ring: the SwiGLU backward's single-CTA kernel only");
+  static_assert(!kHRing || ((Cfg::epi == Epi::kSwiGLUBwd || Cfg::epi == Epi::kActBwd) &&
+                            Cfg::kCluster == 1 && Cfg::group == Grouping::kRows),
+                "h through the ring: the activation backwards' single-CTA kernels only");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace cute;
   using Storage = typename Cfg::SharedStorage;

@@ -37,10 +37,12 @@ using CfgDgradGlu = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::E
                                      __nv_bfloat16, 1, 256, 4, true>;
 // Non-gated experts (grouped_act.cu): fc1 + activation (+ b1), w1 [E, I, H]; fc2 dgrad +
 // the activation's backward, w2 [E, H, I].
+template <int kFn>
 using CfgFc1Act = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kAct,
-                                   __nv_bfloat16, 1>;
+                                   __nv_bfloat16, 1, 256, 4, false, kFn>;
+template <int kFn>
 using CfgDgradAct = gemm::GemmConfig<true, false, gemm::Grouping::kRows, gemm::Epi::kActBwd,
-                                     __nv_bfloat16, 1>;
+                                     __nv_bfloat16, 1, 256, 4, false, kFn>;
 // Core v6 ping-pong (MOK_GEMM_PINGPONG=1): 128 x 128 tiles per consumer warpgroup,
 // 6 stages of 32 KB: fc2 / dgrad (store) and the fused dgrad + SwiGLU backward.
 using CfgRowsNTPing = gemm::GemmConfig<true, true, gemm::Grouping::kRows, gemm::Epi::kStore, __nv_bfloat16, 1, 128, 6>;
@@ -117,12 +119,15 @@ auto make_load_b(const at::Tensor& b, typename Cfg::StrideB stride, int n, int k
 }
 
 // h [rows, 2I] as (rows, I, 2) in BM x BK boxes (gate, up as planes) for the SwiGLU
-// backward's epilogue chunks; columns past I are zero-filled.
+// backward's epilogue chunks (kActBwd: h [rows, I] as (rows, I, 1)); columns past I are
+// zero-filled.
 template <class Cfg>
 auto make_load_h(const at::Tensor& h) {
-  const int64_t half = h.size(1) / 2;
-  auto m = make_tensor(make_gmem_ptr(as_bf16(h)), make_shape(int(h.size(0)), int(half), 2),
-                       make_stride(h.size(1), _1{}, half));
+  constexpr int kParts = Cfg::kHParts;
+  const int64_t part = h.size(1) / kParts;
+  auto m = make_tensor(make_gmem_ptr(as_bf16(h)),
+                       make_shape(int(h.size(0)), int(part), kParts),
+                       make_stride(h.size(1), _1{}, part));
   return make_tma_atom(SM90_TMA_LOAD{}, m, typename Cfg::SmemLayoutH{},
                        Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
 }
@@ -167,14 +172,21 @@ inline bool set_glu(GemmParams& p, bool glu, double alpha, double limit, double 
   return true;
 }
 
-// A non-gated activation (gemm::ActFn) and kSigmoidGated's alpha into the params.
-inline void set_act(GemmParams& p, int64_t act_fn, double alpha) {
-  TORCH_CHECK(act_fn >= gemm::kRelu && act_fn <= gemm::kSigmoidGated,
-              "megatron_mok: unknown non-gated activation code ", act_fn);
+// A non-gated activation's alpha into the params; calls f(std::integral_constant<int,
+// ActFn>) for act_fn (the epilogues' compile-time function).
+template <class F>
+void with_act(GemmParams& p, int64_t act_fn, double alpha, F&& f) {
   TORCH_CHECK(act_fn != gemm::kSigmoidGated || alpha > 0,
               "megatron_mok: x sigmoid(alpha x) needs alpha > 0, got ", alpha);
-  p.act_fn = int(act_fn);
   p.act_alpha = float(alpha);
+  switch (act_fn) {
+    case gemm::kRelu: return f(std::integral_constant<int, gemm::kRelu>{});
+    case gemm::kSquaredRelu: return f(std::integral_constant<int, gemm::kSquaredRelu>{});
+    case gemm::kGelu: return f(std::integral_constant<int, gemm::kGelu>{});
+    case gemm::kGeluTanh: return f(std::integral_constant<int, gemm::kGeluTanh>{});
+    case gemm::kSigmoidGated: return f(std::integral_constant<int, gemm::kSigmoidGated>{});
+    default: TORCH_CHECK(false, "megatron_mok: unknown non-gated activation code ", act_fn);
+  }
 }
 
 // A per-expert bias [E, cols] bf16 (fc1's [E, 2I], fc2's [E, H]) into the params.

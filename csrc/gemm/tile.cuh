@@ -36,8 +36,9 @@
 // Non-gated experts (fc1 is [I, H]: squared-ReLU, GeLU, ...): kAct (act = f(acc + bias),
 // optionally h = acc + bias) and kActBwd (acc = d_act; reads h [rows, N]; d_h = w acc f'(h)
 // into the output, with the routed dgrad's <acc, act> and w * act as kSwiGLUBwd), the
-// function f a runtime ActFn (one branch per value: these epilogues are new code, not the
-// issue-bound SwiGLU ones).
+// function f a compile-time ActFn (GemmConfig's kAct): a runtime switch per value inlined
+// every function into the unrolled epilogue (measured 0.33 of peak at qwen3-30b-a3b-relu2's
+// forward, perf-notes).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -84,10 +85,11 @@ struct TileStorage {
 // when both rows belong to one expert, multicast the B tile (each CTA loads half of it for
 // both), cutting L2->SM traffic by a third. Experimental (MOK_GEMM_CLUSTER=2); default 1.
 template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kCluster_ = 1,
-          int kBN = 256, int kStages = 4, bool kGlu_ = false>
+          int kBN = 256, int kStages = 4, bool kGlu_ = false, int kAct_ = 0>
 struct GemmConfig {
   static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages, kCluster = kCluster_;
   static constexpr bool kGlu = kGlu_;  // the general variants: GLU parameters, biases
+  static constexpr int kAct = kAct_;   // kAct / kActBwd: the ActFn
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr Grouping group = kGroup;
   static constexpr Epi epi = kEpi;
@@ -139,7 +141,9 @@ struct GemmConfig {
   // BM x BK of its B space.
   using SmemLayoutH = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
                                              Shape<Int<BM>, Int<BK>>{}));
-  static constexpr int kHTxBytes = 2 * BM * BK * int(sizeof(bf16));
+  // kActBwd: h has one part (the non-gated pre-activations), the gate's place.
+  static constexpr int kHParts = kEpi == Epi::kActBwd ? 1 : 2;
+  static constexpr int kHTxBytes = kHParts * BM * BK * int(sizeof(bf16));
 
   using SharedStorage = TileStorage<cosize_v<SmemLayoutA>, cosize_v<SmemLayoutB>, EpiT,
                                     2 * 2 * kChunkElems, Stages>;
@@ -174,9 +178,7 @@ struct GemmParams {
   // at + N); nullptr: none.
   const __nv_bfloat16* col_bias;
   int64_t bias_stride;
-  // kAct / kActBwd: the activation (ActFn) and kSigmoidGated's alpha; kActBwd's h_in is
-  // [rows, N].
-  int act_fn;
+  // kAct / kActBwd with kSigmoidGated: x sigmoid(act_alpha x); kActBwd's h_in is [rows, N].
   float act_alpha;
 };
 
@@ -293,8 +295,9 @@ __device__ __forceinline__ float glu_general_bwd_value(const GemmParams& p, floa
 // kAct / kActBwd: f(x) and f'(x) of the non-gated activations, in fp32 as the spec's
 // (activations.py; torch's erf-based GeLU, the tanh form for gelu_tanh). A NaN passes
 // through relu as through torch.relu.
+template <int kFn>
 __device__ __forceinline__ float act_value(const GemmParams& p, float x) {
-  switch (p.act_fn) {
+  switch (kFn) {
     case kRelu: return x > 0.f || x != x ? x : 0.f;
     case kSquaredRelu: { const float r = x > 0.f || x != x ? x : 0.f; return r * r; }
     case kGelu: return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
@@ -306,8 +309,9 @@ __device__ __forceinline__ float act_value(const GemmParams& p, float x) {
   }
 }
 
+template <int kFn>
 __device__ __forceinline__ float act_grad(const GemmParams& p, float x) {
-  switch (p.act_fn) {
+  switch (kFn) {
     case kRelu: return x > 0.f ? 1.f : 0.f;
     case kSquaredRelu: return x > 0.f ? 2.f * x : 0.f;
     case kGelu:
@@ -488,13 +492,13 @@ __device__ __forceinline__ void load_h_chunks(Storage& smem, const TmaH& tma_h_i
                 "h chunks are BK wide, single-CTA, and fit the stage's B space");
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
-  Tensor mH = tma_h_in.get_tma_tensor(make_shape(p.rows_cap, p.N, 2));
+  Tensor mH = tma_h_in.get_tma_tensor(make_shape(p.rows_cap, p.N, int(Cfg::kHParts)));
   const int nq = h_chunks<Cfg>(p, task);
   for (int q = 0; q < nq; ++q) {
     EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
     FullBar::arrive_and_expect_tx(&smem.full[ring.stage], Cfg::kHTxBytes);
     CUTE_UNROLL
-    for (int plane = 0; plane < 2; ++plane) {
+    for (int plane = 0; plane < Cfg::kHParts; ++plane) {
       bf16* dst = plane == 0 ? smem.a + ring.stage * BM * BK : smem.b + ring.stage * BN * BK;
       Tensor sH = make_tensor(make_smem_ptr(dst), typename Cfg::SmemLayoutH{});
       Tensor gH = local_tile(mH(_, _, plane), Shape<Int<BM>, Int<BK>>{},
@@ -709,6 +713,8 @@ struct HFromGlobal {
 // kActBwd's h [rows, N] from global memory: load gives the pair at (r, c) as g (u unused).
 struct HFromGlobalSingle {
   const GemmParams& p;
+  __device__ __forceinline__ void begin_chunk() {}
+  __device__ __forceinline__ void end_chunk() {}
   __device__ __forceinline__ void load(int, int, int r, int c, float2& g, float2& u) const {
     g = make_float2(0.f, 0.f);
     u = g;
@@ -858,7 +864,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
       if ((task.n_tile * BN + q * CW) < p.N) {
         const int col_chunk = task.n_tile * (BN / CW) + q;
         emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
-          return make_float2(act_value(p, accum(i)), act_value(p, accum(i + 1)));
+          return make_float2(act_value<Cfg::kAct>(p, accum(i)), act_value<Cfg::kAct>(p, accum(i + 1)));
         });
         if (p.store_h) {
           emit_chunk<Cfg>(smem, es, tma_h, mH, row_tile, col_chunk, 0, q * (CW / 8),
@@ -881,10 +887,11 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
     for (int q = 0; q < BN / CW; ++q) {
       if (task.n_tile * BN + q * CW < p.N) {
         const int col_chunk = task.n_tile * (BN / CW) + q;
-        swiglu_bwd_chunk<Cfg>(es, task, m0, q, HFromGlobalSingle{p},
+        hsrc.begin_chunk();
+        swiglu_bwd_chunk<Cfg>(es, task, m0, q, hsrc,
                               [&](int i, int, int half, int r, int c, float2 hv, float2) {
           if (scaled) {
-            const float act0 = act_value(p, hv.x), act1 = act_value(p, hv.y);
+            const float act0 = act_value<Cfg::kAct>(p, hv.x), act1 = act_value<Cfg::kAct>(p, hv.y);
             dot[half] += accum(i) * act0;
             dot[half] += accum(i + 1) * act1;
             if (c < p.N) {
@@ -892,9 +899,10 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
               *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) = a;
             }
           }
-          accum(i) = w[half] * accum(i) * act_grad(p, hv.x);
-          accum(i + 1) = w[half] * accum(i + 1) * act_grad(p, hv.y);
+          accum(i) = w[half] * accum(i) * act_grad<Cfg::kAct>(p, hv.x);
+          accum(i + 1) = w[half] * accum(i + 1) * act_grad<Cfg::kAct>(p, hv.y);
         });
+        hsrc.end_chunk();
         emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8),
                         [&](int i) { return make_float2(accum(i), accum(i + 1)); });
       }
@@ -992,12 +1000,16 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
   }
 }
 
-// The same, h (kSwiGLUBwd) read from global memory.
+// The same, h (kSwiGLUBwd, kActBwd) read from global memory.
 template <class Cfg, class Storage, class Acc, class TmaO, class TmaH>
 __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, const GemmParams& p,
                                               const Task& task, Acc& accum, bool has_k,
                                               const TmaO& tma_o, const TmaH& tma_h) {
-  tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h, HFromGlobal{p});
+  if constexpr (Cfg::epi == Epi::kActBwd) {
+    tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h, HFromGlobalSingle{p});
+  } else {
+    tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h, HFromGlobal{p});
+  }
 }
 
 }  // namespace megatron_mok::gemm
