@@ -6,8 +6,9 @@ expert weight gradients fused into main_grad (`mokfused`) strays from `mok`.
 
 Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2, mokfused}. Tokens/s is the
 median over steps after the first 5 (warm-up); a config named `<name>-ep<N>` ran on N GPUs
-and also gets tokens/s per GPU. Writes <date>-h200-train-ep1.json (…-train-ep<N>.json when
-every config is an EP-N run).
+and also gets tokens/s per GPU. Writes <date>-<gpu>-train-ep1.json (…-train-ep<N>.json when
+every config is an EP-N run; <gpu> from MOK_GPU_NAME, else the visible GPU, else "gpu"),
+with the tree's commit and dirty flag (benchmarks.provenance).
 """
 
 from __future__ import annotations
@@ -73,6 +74,22 @@ def summarise(runs: dict) -> dict:
     return out
 
 
+def gpu_tag() -> str:
+    """'h100', 'h200', ... of the machine the logs came from (MOK_GPU_NAME, else the
+    visible GPU), 'gpu' when neither says."""
+    name = os.environ.get("MOK_GPU_NAME")
+    if not name:
+        try:
+            import torch
+            name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        except Exception:  # noqa: BLE001 - a report must not fail for a name
+            name = None
+    if not name:
+        return "gpu"
+    from benchmarks.layer import gpu_short_name
+    return gpu_short_name(name)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+")
@@ -90,10 +107,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     gpus = {num_gpus(cfg) for cfg in summary} or {1}
     ep = gpus.pop() if len(gpus) == 1 else 1
-    path = out / f"{datetime.date.today().isoformat()}-h200-train-ep{ep}.json"
+    path = out / f"{datetime.date.today().isoformat()}-{gpu_tag()}-train-ep{ep}.json"
+    from benchmarks.provenance import source_state
+    commit, dirty, _ = source_state()
     path.write_text(json.dumps({"benchmark": "train-ep1",
-                                "source_commit": os.environ.get("MOK_SOURCE_COMMIT"),
-                                "configs": summary}, indent=1))
+                                "source_commit": os.environ.get("MOK_SOURCE_COMMIT") or commit,
+                                "git_dirty": dirty, "configs": summary}, indent=1))
     print(f"results: {path}")
     return 0
 

@@ -60,3 +60,15 @@ def test_fused_main_grad_run_is_compared_with_mok(tmp_path):
     tiny = train_report.summarise(runs)["tiny"]
     assert abs(tiny["max_abs_loss_diff_fused_vs_mok"] - 0.002) < 1e-9
     assert tiny["tokens_per_s_fused"] == 2105.5
+
+
+def test_result_file_names_the_gpu_and_the_tree(tmp_path, monkeypatch):
+    import json
+    _log(tmp_path / "train_tiny_mok.log", [6.9, 6.5, 6.1], tps=2000)
+    monkeypatch.setenv("MOK_GPU_NAME", "NVIDIA H100 80GB HBM3")
+    monkeypatch.delenv("MOK_SOURCE_COMMIT", raising=False)
+    assert train_report.main([str(tmp_path / "train_tiny_mok.log"), "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-h100-train-ep1.json")
+    data = json.loads(path.read_text())
+    assert data["source_commit"] and len(data["source_commit"]) == 40
+    assert data["git_dirty"] in (True, False)
