@@ -1,6 +1,7 @@
 """Fill the autotune cache (megatron_mok.kernels.autotune) for the ep8-proxy shapes on this GPU:
 time every forward plan (launch chain, direct megakernel x minibatch, comm megakernel x
-comm SMs x minibatch) and store the fastest per (GPU, shape); with --backward also every
+comm SMs x minibatch) and store the fastest per (GPU, shape, the shape's expert variant:
+GPT-OSS's GLU and biases are timed in their own epilogues); with --backward also every
 backward dgrad plan (launch chain, backward megakernel x minibatch).
 
     python -m benchmarks.autotune [--shapes a,b] [--tokens 4096,8192] [--iters 5]
@@ -21,6 +22,7 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.layer import REPO, run_metadata
 from benchmarks.megakernel import make_case
+from megatron_mok.config import MoKConfig
 from megatron_mok.kernels import autotune, tuning
 from megatron_mok.functional import clear_workspace_cache
 
@@ -42,10 +44,23 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         for tokens in [int(t) for t in args.tokens.split(",")]:
             local = S.ep8_proxy(S.get_shape(name))
+            if S.fc1_rows_per_inter(local.activation) == 1:
+                print(f"{name:14s} non-gated experts run the launch chain only: nothing to tune")
+                continue
             ws, sched, x, w1, w2 = make_case(local, tokens, args.routing, device)
+            # The shape's own epilogues (GPT-OSS's clamped GLU, its biases): their plans are
+            # cached under that variant's key, which the layer with them looks up.
+            config = MoKConfig(backend="kernel", activation=S.activation_of(local.activation),
+                               expert_bias=local.expert_bias)
+            biases = {}
+            if local.expert_bias:
+                gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+                for key_, w in (("b1", w1), ("b2", w2)):
+                    noise = torch.randn(*w.shape[:2], generator=gen, device=device)
+                    biases[key_] = (noise * 0.02).bfloat16()
             best, timings = tuning.tune(ws, sched, x, w1, w2, warmup=args.warmup,
-                                          iters=args.iters)
-            key = autotune.workspace_key(ws, local.inter)
+                                        iters=args.iters, config=config, **biases)
+            key = autotune.workspace_key(ws, local.inter, config)
             results[key] = {"best": best.__dict__, "timings_ms": timings}
             fastest = min(timings.values())
             print(f"{name:14s} T={tokens:5d} best {autotune.plan_name(best):32s} {fastest:8.3f} ms "
@@ -55,8 +70,9 @@ def main(argv=None) -> int:
                 topk_w = torch.rand(tokens, local.topk, generator=gen, device=device)
                 dy = torch.randn(tokens, local.hidden, generator=gen, device=device).bfloat16()
                 best_b, timings_b = tuning.tune_backward(ws, sched, x, topk_w, w1, w2, dy,
-                                                           warmup=args.warmup, iters=args.iters)
-                results[autotune.backward_key(ws, local.inter)] = {
+                                                         warmup=args.warmup, iters=args.iters,
+                                                         config=config, **biases)
+                results[autotune.backward_key(ws, local.inter, config)] = {
                     "best": best_b.__dict__, "timings_ms": timings_b}
                 print(f"{'':14s} {'bwd':7s} best {autotune.backward_plan_name(best_b):32s} "
                       f"{min(timings_b.values()):8.3f} ms (launches "

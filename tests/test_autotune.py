@@ -167,3 +167,39 @@ def test_non_gated_experts_always_take_the_launch_chain(monkeypatch):
     autotune.forget_cache()
     assert autotune.forward_plan(ws, 768, config).path == "launches"
     assert autotune.backward_plan(ws, 768, config, bf16, True).path == "launches"
+
+
+def test_glu_and_biased_variants_are_keyed_and_looked_up_apart():
+    """GPT-OSS's clamped GLU and biased experts run other epilogues: their plans live under
+    their own keys (plain SwiGLU's key unchanged), and each layer reads its own entry."""
+    from megatron_mok.activations import GPT_OSS
+    ws = _ws()
+    plain = autotune.workspace_key(ws, 768)
+    assert autotune.workspace_key(ws, 768, MoKConfig()) == plain
+    glu = MoKConfig(activation=GPT_OSS, expert_bias=True)
+    assert autotune.workspace_key(ws, 768, glu) == \
+        plain + "|act=quick_gelu-glu-clamp7-offset1|bias"
+    assert autotune.workspace_key(ws, 768, MoKConfig(expert_bias=True)) == \
+        plain + "|act=silu-glu|bias"
+    assert autotune.backward_key(ws, 768, glu) == autotune.workspace_key(ws, 768, glu) + "|bwd"
+    autotune.store(plain, autotune.ForwardPlan("megakernel", 0, 1024), {"launches": 2.0})
+    autotune.store(autotune.workspace_key(ws, 768, glu), autotune.ForwardPlan("launches", 0, 0),
+                   {"launches": 1.0})
+    autotune.store(autotune.backward_key(ws, 768, glu), autotune.BackwardPlan("megakernel", 4096),
+                   {"launches": 2.0})
+    autotune.forget_cache()
+    assert autotune.forward_plan(ws, 768, MoKConfig()).path == "megakernel"
+    assert autotune.forward_plan(ws, 768, glu).path == "launches"
+    # A variant nobody tuned falls back to the default, not to SwiGLU's entry.
+    other = MoKConfig(activation=GPT_OSS)
+    assert autotune.forward_plan(ws, 768, other) == \
+        autotune.ForwardPlan("megakernel-spread", other.fwd_num_comm_sms, other.minibatch_size)
+
+
+def test_tuning_refuses_non_gated_experts_and_half_biases():
+    from megatron_mok.activations import SQUARED_RELU
+    from megatron_mok.kernels import tuning
+    with pytest.raises(ValueError, match="non-gated"):
+        tuning.tune(None, None, None, None, None, config=MoKConfig(activation=SQUARED_RELU))
+    with pytest.raises(ValueError, match="b1 and b2"):
+        tuning.tune(None, None, None, None, None, b1=torch.zeros(1))

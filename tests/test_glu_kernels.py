@@ -198,3 +198,43 @@ def test_layer_with_glu_and_biases_matches_reference_on_every_path(activation, m
     for name, (y, grads) in results.items():  # the megakernels are the chain's bits
         assert torch.equal(y, y0), name
         assert all(torch.equal(grads[k], g0[k]) for k in GRAD_NAMES), name
+
+
+def test_autotune_times_the_glu_and_bias_epilogues_under_their_own_key(tmp_path, monkeypatch):
+    """tune() / tune_backward() with GPT-OSS's config and biases run that layer's epilogues
+    (the tuned forward's output equals the chain's with the biases in it) and store the
+    winners under the variant's key, which the biased GLU layer then reads; the plain
+    SwiGLU key stays empty."""
+    from megatron_mok.kernels import autotune, backend, tuning
+    monkeypatch.setenv("MOK_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.delenv("MOK_FORWARD", raising=False)
+    monkeypatch.delenv("MOK_BACKWARD", raising=False)
+    autotune.forget_cache()
+    inputs = _layer_inputs(seed=9)
+    config = MoKConfig(backend="kernel", activation=A.GPT_OSS, expert_bias=True)
+    x, w1, w2, b1, b2 = (inputs[k] for k in ("x", "w1", "w2", "b1", "b2"))
+    tokens, topk = inputs["topk_idx"].shape
+    ws = mok.get_workspace(config, None, device="cuda", num_local_tokens=tokens,
+                           hidden_size=x.shape[1], topk=topk, num_local_experts=w1.shape[0])
+    sched = mok.build_schedule(ws, config, inputs["topk_idx"])
+    plans = [autotune.ForwardPlan("launches", 0, 0),
+             autotune.ForwardPlan("megakernel-spread", 0, 512)]
+    best, timings = tuning.tune(ws, sched, x, w1, w2, plans=plans, warmup=1, iters=2,
+                                config=config, b1=b1, b2=b2)
+    assert set(timings) == {autotune.plan_name(p) for p in plans}
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
+    best_b, timings_b = tuning.tune_backward(ws, sched, x, inputs["topk_w"], w1, w2, dy,
+                                             warmup=1, iters=2, config=config, b1=b1, b2=b2)
+    assert len(timings_b) >= 1 and all(ms > 0 for ms in timings_b.values())
+    autotune.forget_cache()  # read back from disk
+    inter = w1.shape[1] // 2
+    assert autotune.forward_plan(ws, inter, config) == best
+    assert autotune.backward_plan(ws, inter, config, dy.dtype, True) == best_b
+    assert autotune.lookup(autotune.workspace_key(ws, inter)) is None  # SwiGLU's: untouched
+    y, _ = backend.forward(ws, sched, x, inputs["topk_w"], w1, w2, None, None, False, config,
+                           b1, b2)
+    monkeypatch.setenv("MOK_FORWARD", "launches")
+    y_chain, _ = backend.forward(ws, sched, x, inputs["topk_w"], w1, w2, None, None, False,
+                                 config, b1, b2)
+    assert torch.equal(y, y_chain)
+    autotune.forget_cache()

@@ -71,10 +71,29 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def workspace_key(ws, inter: int) -> str:
+def variant_tag(config) -> str:
+    """What the experts compute beyond plain SwiGLU, as a key suffix ("" for SwiGLU without
+    biases, so the plain entries keep their keys): the general GLU's function, clamp and
+    offset and the expert biases run other epilogues, so their plans are timed and cached
+    apart."""
+    if config is None:
+        return ""
+    act = config.activation
+    if act.is_swiglu and not config.expert_bias:
+        return ""
+    tag = act.function + ("-glu" if act.gated else "")
+    if act.clamp is not None:
+        tag += f"-clamp{act.clamp:g}"
+    if act.linear_offset:
+        tag += f"-offset{act.linear_offset:g}"
+    return f"|act={tag}" + ("|bias" if config.expert_bias else "")
+
+
+def workspace_key(ws, inter: int, config=None) -> str:
+    """The cache key of a workspace shape (and, with config, its experts' variant)."""
     gpu = _device_name(ws.device)
     return plan_key(gpu, ws.num_tokens, ws.hidden_size, inter, ws.num_local_experts, ws.topk,
-                    ws.ep_size)
+                    ws.ep_size) + variant_tag(config)
 
 
 _LOADED: dict = {}  # cache file path -> its entries
@@ -172,7 +191,7 @@ def _resolve_forward_plan(ws, inter: int, config) -> ForwardPlan:
     default = ForwardPlan(path, config.fwd_num_comm_sms, config.minibatch_size)
     if knobs.is_set("MOK_FORWARD"):
         return dataclasses.replace(default, path=megakernel.forward_path(ws.hidden_size))
-    plan = lookup(workspace_key(ws, inter)) if config.autotune else None
+    plan = lookup(workspace_key(ws, inter, config)) if config.autotune else None
     if plan is None or (plan.path != "launches" and not megakernel.runnable(ws.hidden_size)):
         return default
     return plan
@@ -202,11 +221,11 @@ def plan_name(plan: ForwardPlan) -> str:
 # Backward
 
 
-def backward_key(ws, inter: int) -> str:
+def backward_key(ws, inter: int, config=None) -> str:
     """The forward key + "|bwd"; + "|wgrad-fused" when MOK_BACKWARD_WGRAD=fused, whose
     megakernel plans time different work (the weight gradients inside)."""
     suffix = "|wgrad-fused" if knobs.get("MOK_BACKWARD_WGRAD") == "fused" else ""
-    return workspace_key(ws, inter) + "|bwd" + suffix
+    return workspace_key(ws, inter, config) + "|bwd" + suffix
 
 
 def lookup_backward(key: str) -> Optional[BackwardPlan]:
@@ -236,8 +255,8 @@ def _resolve_backward_plan(ws, inter: int, config, dtype: torch.dtype,
         return BackwardPlan("launches", minibatch)
     if knobs.is_set("MOK_BACKWARD"):
         return BackwardPlan(megakernel.backward_path(ws, dtype, in_place), minibatch)
-    plan = lookup_backward(backward_key(ws, inter)) if config is None or config.autotune \
-        else None
+    plan = lookup_backward(backward_key(ws, inter, config)) \
+        if config is None or config.autotune else None
     if plan is None or (plan.path == "megakernel"
                         and not megakernel.backward_runnable(ws, dtype, in_place)):
         return BackwardPlan("launches", minibatch)

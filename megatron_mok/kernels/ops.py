@@ -46,7 +46,8 @@ if _C is not None:
     for _name in ("ep_barrier", "gather_from_peers", "pull_rows", "push_rows",
                   "zero_dropped_routes",
                   "grouped_fc1_swiglu", "grouped_gemm_rows", "grouped_dgrad_swiglu",
-                  "grouped_wgrad", "grouped_fc1_act", "grouped_dgrad_act", "build_row_table", "moe_forward", "moe_backward"):
+                  "grouped_wgrad", "grouped_fc1_act", "grouped_dgrad_act", "build_row_table",
+                  "moe_forward", "moe_backward"):
         if hasattr(torch.ops.megatron_mok, _name):
             torch.library.register_fake(f"megatron_mok::{_name}")(lambda *args, **kwargs: None)
 
