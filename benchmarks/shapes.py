@@ -138,8 +138,8 @@ def backward_flops(num_tokens: int, hidden: int, inter: int, topk: int,
 def pass_flops(local: LocalShape, num_tokens: int, which: str) -> float:
     """The pass's FLOPs; non-gated experts' fc1 is one GEMM of [I, H], not two."""
     f = forward_flops(num_tokens, local.hidden, local.inter, local.topk, local.shared_inter)
-    if fc1_rows_per_inter(local.activation) == 1:
-        f -= 2.0 * num_tokens * local.topk * local.inter * local.hidden
+    if fc1_rows_per_inter(local.activation) == 1:  # the shared expert's fc1 too
+        f -= 2.0 * num_tokens * (local.topk * local.inter + local.shared_inter) * local.hidden
     if which == "fwd":
         return f
     if which == "bwd":

@@ -17,7 +17,7 @@ from row_tables import COUNTS, rand_bf16, row_table, segments
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
-FUNCTIONS = ["squared_relu", "gelu", "gelu_tanh", "relu", "silu"]
+FUNCTIONS = ["squared_relu", "gelu", "gelu_tanh", "relu", "silu", "quick_gelu"]  # alpha 1.702
 DIMS = [(320, 200), (512, 1408)]  # (H, I): column tails of every tile width
 
 

@@ -154,10 +154,11 @@ def test_non_gated_experts_always_take_the_launch_chain(monkeypatch):
     monkeypatch.setattr(megakernel, "backward_available", lambda: True)
     ws, bf16 = _ws(), torch.bfloat16
     config = MoKConfig(activation=SQUARED_RELU)
-    autotune.store(autotune.workspace_key(ws, 768), autotune.ForwardPlan("megakernel", 0, 1024),
-                   {"launches": 2.0})
-    autotune.store(autotune.backward_key(ws, 768), autotune.BackwardPlan("megakernel", 4096),
-                   {"launches": 2.0})
+    for cfg in (MoKConfig(), config):  # megakernel plans under SwiGLU's key and its own
+        autotune.store(autotune.workspace_key(ws, 768, cfg),
+                       autotune.ForwardPlan("megakernel", 0, 1024), {"launches": 2.0})
+        autotune.store(autotune.backward_key(ws, 768, cfg),
+                       autotune.BackwardPlan("megakernel", 4096), {"launches": 2.0})
     autotune.forget_cache()
     assert autotune.forward_plan(ws, 768, MoKConfig()).path == "megakernel"  # SwiGLU: cached
     assert autotune.forward_plan(ws, 768, config).path == "launches"

@@ -294,7 +294,8 @@ __device__ __forceinline__ float glu_general_bwd_value(const GemmParams& p, floa
 
 // kAct / kActBwd: f(x) and f'(x) of the non-gated activations, in fp32 as the spec's
 // (activations.py; torch's erf-based GeLU, the tanh form for gelu_tanh). A NaN passes
-// through relu as through torch.relu.
+// through relu and squared-ReLU as through torch; their f' is 0 there (torch's relu
+// gradient; squared-ReLU's autograd would give NaN, but the forward is already NaN).
 template <int kFn>
 __device__ __forceinline__ float act_value(const GemmParams& p, float x) {
   switch (kFn) {

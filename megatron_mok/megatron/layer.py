@@ -96,7 +96,8 @@ def check_mok_supported(config) -> None:
 
 
 def expert_weight_list(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-expert fc1 [2I, H] and fc2 [H, I] weights of Megatron's expert modules."""
+    """Per-expert fc1 ([2I, H] gated, [I, H] non-gated) and fc2 [H, I] weights of Megatron's
+    expert modules."""
     if hasattr(experts, "local_experts"):  # SequentialMLP
         return ([e.linear_fc1.weight for e in experts.local_experts],
                 [e.linear_fc2.weight for e in experts.local_experts])
@@ -110,7 +111,8 @@ def expert_weight_list(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 def expert_bias_list(experts) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """Per-expert fc1 [2I] and fc2 [H] biases (--add-bias-linear), or None without them."""
+    """Per-expert fc1 ([2I] gated, [I] non-gated) and fc2 [H] biases (--add-bias-linear), or
+    None without them."""
     if hasattr(experts, "local_experts"):  # SequentialMLP
         fc1 = [e.linear_fc1.bias for e in experts.local_experts]
         fc2 = [e.linear_fc2.bias for e in experts.local_experts]
@@ -147,9 +149,9 @@ class MokMoELayer(MoELayer):
         finally:
             config.moe_token_dispatcher_type = dispatcher_type
         # The experts' activation from Megatron's flags: GLUs of silu or quick_gelu (SwiGLU,
-        # GPT-OSS's clamped GLU with its linear offset) run on the kernel backend, the others
-        # (squared-ReLU, GeLU) on the reference backend. Expert biases (--add-bias-linear,
-        # GPT-OSS) run in the kernel backend's epilogues.
+        # GPT-OSS's clamped GLU with its linear offset) and non-gated experts (squared-ReLU,
+        # GeLU, ...) run on the kernel backend, other GLUs on the reference backend. Expert
+        # biases (--add-bias-linear, GPT-OSS) run in the kernel backend's epilogues.
         # FP8: Megatron's --fp8-format e4m3 --fp8-recipe blockwise, or --mok-fp8 blockwise
         # for the MoE layers alone (mok_config).
         mok_config = mok_config or MoKConfig()
