@@ -109,11 +109,15 @@ def test_act_ops_refuse_glus_and_bad_shapes():
                             A.SQUARED_RELU)
 
 
-def _layer_inputs(seed, biases, hidden=512, inter=384, experts=8, topk=4, tokens=600):
+def _layer_inputs(seed, biases, hidden=512, inter=384, experts=8, topk=4, tokens=600,
+                  shared=False):
     inputs = make_moe_inputs(num_tokens=tokens, hidden=hidden, inter=inter,
                              num_local_experts=experts, topk=topk, seed=seed,
+                             shared_inter=inter if shared else None,
                              drop_fraction=0.05, device="cuda")
     inputs["w1"] = inputs["w1"][:, :inter].contiguous()  # non-gated: [E, I, H]
+    if shared:
+        inputs["shared_w1"] = inputs["shared_w1"][:inter].contiguous()  # [I, H]
     if biases:
         g = torch.Generator().manual_seed(seed + 7)
         inputs["b1"] = (torch.randn(experts, inter, generator=g) * 0.5).bfloat16().cuda()
@@ -152,3 +156,20 @@ def test_non_gated_layer_matches_reference_and_is_deterministic(function, biases
     monkeypatch.setenv("MOK_BACKWARD", "megakernel")
     y3, grads3 = _run(inputs, kernel, dy)
     assert torch.equal(y, y3) and all(torch.equal(grads[k], grads3[k]) for k in grads)
+
+
+@pytest.mark.parametrize("fold", ["separate", "folded"])
+def test_non_gated_layer_with_a_shared_expert(fold, monkeypatch):
+    """A non-gated shared expert ([I, H] fc1) beside the routed ones, in its own GEMMs or
+    folded into the expert pass as one more expert (MOK_SHARED_EXPERT=folded: the kAct
+    epilogues then run it too): against the reference, the two modes within rounding."""
+    monkeypatch.setenv("MOK_SHARED_EXPERT", fold)
+    activation = _non_gated("squared_relu")
+    inputs = _layer_inputs(seed=8, biases=False, shared=True)
+    dy = torch.randn(inputs["x"].shape,
+                     generator=torch.Generator().manual_seed(9)).bfloat16().cuda()
+    y_ref, g_ref = _run(inputs, MoKConfig(backend="reference", activation=activation), dy)
+    y, grads = _run(inputs, MoKConfig(backend="kernel", activation=activation), dy)
+    assert rel_l2(y, y_ref) < TOL
+    for k in ("x", "topk_w", "w1", "w2", "shared_w1", "shared_w2"):
+        assert rel_l2(grads[k], g_ref[k]) < TOL, k
