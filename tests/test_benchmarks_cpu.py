@@ -194,11 +194,7 @@ def test_gpt_oss_variant_shape_runs_its_activation_and_biases(grouped_gemm_path)
     plain = L.reference_outputs(case, weights, want_grads=False)  # SwiGLU, biases ignored
     assert L.rel_l2(plain["y"], ref["y"]) > 0.1  # the variant computes something else
     args = argparse.Namespace(mok_backend="auto", seed=0)
-    for backend in (L.make_backend("torch-unfused", local, weights, "cpu", args),
-                    L.make_backend("mok", local, weights, "cpu", args)):
-        result = L.check_backend(backend, case, ref)
-        assert result["fwd_rel_l2"] < L.CHECK_TOL, backend.name
-        assert result["bwd_rel_l2_max"] < L.CHECK_TOL, (backend.name, result["bwd_rel_l2"])
+    for result in _variant_backends_match_reference(local, weights, case, ref):
         assert set(result["bwd_rel_l2"]) >= {"db1", "db2"}
     with pytest.raises(ValueError, match="plain SwiGLU experts without biases"):
         L.make_backend("sonicmoe", local, weights, "cpu", args)
@@ -214,12 +210,21 @@ def test_non_gated_variant_shape_runs_squared_relu_with_its_flops(grouped_gemm_p
     assert S.pass_flops(local, 96, "fwd") == pytest.approx(2 / 3 * S.pass_flops(gated, 96, "fwd"))
     case = L.make_case(local, 96, "skewed", "cpu", seed=0)
     ref = L.reference_outputs(case, weights, want_grads=True, activation=local.activation)
+    _variant_backends_match_reference(local, weights, case, ref)
+
+
+def _variant_backends_match_reference(local, weights, case, ref) -> list:
+    """torch-unfused and mok (the reference backend here) on a variant shape, forward and
+    backward within the benchmark's check tolerance; their check results."""
     args = argparse.Namespace(mok_backend="auto", seed=0)
+    results = []
     for backend in (L.make_backend("torch-unfused", local, weights, "cpu", args),
                     L.make_backend("mok", local, weights, "cpu", args)):
         result = L.check_backend(backend, case, ref)
         assert result["fwd_rel_l2"] < L.CHECK_TOL, backend.name
         assert result["bwd_rel_l2_max"] < L.CHECK_TOL, (backend.name, result["bwd_rel_l2"])
+        results.append(result)
+    return results
 
 
 def test_torch_unfused_dropped_routes():

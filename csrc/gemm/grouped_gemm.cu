@@ -129,15 +129,8 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
   c10::cuda::CUDAGuard guard(dy_rows.device());
   GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgDgradSwiGLU<1>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
-  const bool scaled = row_w.has_value();
-  TORCH_CHECK(dots_part.has_value() == scaled && act_scaled.has_value() == scaled,
-              "megatron_mok: row_w, dots_part and act_scaled go together");
-  if (scaled) {
-    check_row_scale_outputs(*row_w, *dots_part, *act_scaled, R, I, p.n_tiles, dy_rows.device());
-    p.row_scale = row_w->data_ptr<float>();
-    p.dots_part = dots_part->data_ptr<float>();
-    p.act_scaled = reinterpret_cast<__nv_bfloat16*>(act_scaled->data_ptr());
-  }
+  const bool scaled =
+      set_row_scale(p, row_w, dots_part, act_scaled, R, I, dy_rows.device());
   // The general GLU: cooperative tiles, clusters of 1, h through the ring or from global.
   if (set_glu(p, glu, glu_alpha, glu_limit, glu_offset)) {
     if (h_through_ring()) {

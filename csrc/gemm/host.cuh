@@ -172,6 +172,24 @@ inline bool set_glu(GemmParams& p, bool glu, double alpha, double limit, double 
   return true;
 }
 
+// The routed dgrad's router weights and outputs (all three, or none) into the params;
+// returns whether they were given.
+inline bool set_row_scale(GemmParams& p, const std::optional<at::Tensor>& row_w,
+                          const std::optional<at::Tensor>& dots_part,
+                          const std::optional<at::Tensor>& act_scaled, int64_t rows,
+                          int64_t inter, const at::Device& device) {
+  const bool scaled = row_w.has_value();
+  TORCH_CHECK(dots_part.has_value() == scaled && act_scaled.has_value() == scaled,
+              "megatron_mok: row_w, dots_part and act_scaled go together");
+  if (scaled) {
+    check_row_scale_outputs(*row_w, *dots_part, *act_scaled, rows, inter, p.n_tiles, device);
+    p.row_scale = row_w->data_ptr<float>();
+    p.dots_part = dots_part->data_ptr<float>();
+    p.act_scaled = reinterpret_cast<__nv_bfloat16*>(act_scaled->data_ptr());
+  }
+  return scaled;
+}
+
 // A non-gated activation's alpha into the params; calls f(std::integral_constant<int,
 // ActFn>) for act_fn (the epilogues' compile-time function).
 template <class F>

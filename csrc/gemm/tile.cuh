@@ -789,6 +789,40 @@ __device__ __forceinline__ void swiglu_bwd_value(float& acc, float& d_gate, floa
   acc = d_act * g * sig;
 }
 
+// The routed dgrad epilogues (kSwiGLUBwd, kActBwd with row_scale): the router weights of a
+// thread's two rows; the per-row <acc, act> partial of this column tile (the 4 threads of
+// a quad hold a row's columns: a butterfly gives each the same sum, a + b == b + a, and
+// one of them stores it); w * act for dW2, straight from registers (columns below N).
+__device__ __forceinline__ void load_row_scales(const GemmParams& p, const EpilogueState& es,
+                                                int m0, float (&w)[2]) {
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    w[half] = __ldcg(p.row_scale + m0 + 64 * es.wg + es.row_t + 8 * half);
+  }
+}
+
+__device__ __forceinline__ void store_row_dots(const GemmParams& p, const EpilogueState& es,
+                                               int m0, const Task& task, const float (&dot)[2]) {
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    float s = dot[half];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (es.wg_thread % 4 == 0) {
+      const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
+      p.dots_part[int64_t(r) * p.n_tiles + task.n_tile] = s;
+    }
+  }
+}
+
+__device__ __forceinline__ void store_act_scaled(const GemmParams& p, int r, int c, float w,
+                                                 float act0, float act1) {
+  if (c < p.N) {
+    *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) =
+        __floats2bfloat162_rn(w * act0, w * act1);
+  }
+}
+
 // The epilogue of one task for one consumer warpgroup, by Cfg::epi. Output views for the
 // TMA stores are 3-D (rows, cols, planes): kRows out (rows, N, 1), kTokensAsK out (M, N, E);
 // tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0 and 1: the SwiGLU
@@ -878,12 +912,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
     // also <acc, f(h)> per row and column tile and w * f(h), as kSwiGLUBwd below.
     const bool scaled = p.row_scale != nullptr;
     float w[2] = {1.f, 1.f}, dot[2] = {0.f, 0.f};
-    if (scaled) {
-      CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        w[half] = __ldcg(p.row_scale + m0 + 64 * es.wg + es.row_t + 8 * half);
-      }
-    }
+    if (scaled) load_row_scales(p, es, m0, w);
     CUTE_UNROLL
     for (int q = 0; q < BN / CW; ++q) {
       if (task.n_tile * BN + q * CW < p.N) {
@@ -895,10 +924,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
             const float act0 = act_value<Cfg::kAct>(p, hv.x), act1 = act_value<Cfg::kAct>(p, hv.y);
             dot[half] += accum(i) * act0;
             dot[half] += accum(i + 1) * act1;
-            if (c < p.N) {
-              const __nv_bfloat162 a = __floats2bfloat162_rn(w[half] * act0, w[half] * act1);
-              *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) = a;
-            }
+            store_act_scaled(p, r, c, w[half], act0, act1);
           }
           accum(i) = w[half] * accum(i) * act_grad<Cfg::kAct>(p, hv.x);
           accum(i + 1) = w[half] * accum(i + 1) * act_grad<Cfg::kAct>(p, hv.y);
@@ -908,18 +934,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
                         [&](int i) { return make_float2(accum(i), accum(i + 1)); });
       }
     }
-    if (scaled) {  // the quad butterfly of kSwiGLUBwd below
-      CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        float s = dot[half];
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (es.wg_thread % 4 == 0) {
-          const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
-          p.dots_part[int64_t(r) * p.n_tiles + task.n_tile] = s;
-        }
-      }
-    }
+    if (scaled) store_row_dots(p, es, m0, task, dot);
   } else {  // kSwiGLUBwd: d_act = w * acc; d_h = [d_gate, d_up] (planes of the h view)
     // Per chunk: d_gate into registers and d_up into the accumulator it came from (d_act is
     // spent once both are computed), then both staged like the other outputs. 32 values
@@ -932,12 +947,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
     constexpr int kPer = CW / 2;  // values of one chunk and plane held by a thread
     const bool scaled = p.row_scale != nullptr;
     float w[2] = {1.f, 1.f}, dot[2] = {0.f, 0.f};
-    if (scaled) {
-      CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        w[half] = __ldcg(p.row_scale + m0 + 64 * es.wg + es.row_t + 8 * half);
-      }
-    }
+    if (scaled) load_row_scales(p, es, m0, w);
     CUTE_UNROLL
     for (int q = 0; q < BN / CW; ++q) {
       if (task.n_tile * BN + q * CW < p.N) {
@@ -953,10 +963,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
             if (scaled) {
               dot[half] += acc0 * act0;
               dot[half] += acc1 * act1;
-              if (c < p.N) {
-                const __nv_bfloat162 a = __floats2bfloat162_rn(w[half] * act0, w[half] * act1);
-                *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) = a;
-              }
+              store_act_scaled(p, r, c, w[half], act0, act1);
             }
             return;
           }
@@ -965,10 +972,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
             const float act0 = g.x * sig0 * u.x, act1 = g.y * sig1 * u.y;
             dot[half] += accum(i) * act0;
             dot[half] += accum(i + 1) * act1;
-            if (c < p.N) {
-              const __nv_bfloat162 a = __floats2bfloat162_rn(w[half] * act0, w[half] * act1);
-              *reinterpret_cast<__nv_bfloat162*>(p.act_scaled + int64_t(r) * p.N + c) = a;
-            }
+            store_act_scaled(p, r, c, w[half], act0, act1);
           }
           swiglu_bwd_value(accum(i), dg[l], w[half], g.x, u.x, sig0);
           swiglu_bwd_value(accum(i + 1), dg[l + 1], w[half], g.y, u.y, sig1);
@@ -984,20 +988,7 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
                         [&](int i) { return make_float2(accum(i), accum(i + 1)); });
       }
     }
-    if (scaled) {
-      // The 4 threads of a quad hold a row's columns: a butterfly gives each the same sum
-      // (a + b == b + a), one of them stores this column tile's partial.
-      CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        float s = dot[half];
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (es.wg_thread % 4 == 0) {
-          const int r = m0 + 64 * es.wg + es.row_t + 8 * half;
-          p.dots_part[int64_t(r) * p.n_tiles + task.n_tile] = s;
-        }
-      }
-    }
+    if (scaled) store_row_dots(p, es, m0, task, dot);
   }
 }
 

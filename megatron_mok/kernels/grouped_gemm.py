@@ -214,8 +214,9 @@ def rows_matmul(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     return out
 
 
-def _check_dgrad(d_out, w2, h, expert_offsets, num_rows) -> int:
-    """The shared checks of the fused fc2 dgrad + SwiGLU backward; returns I."""
+def _check_dgrad(d_out, w2, h, expert_offsets, num_rows, h_per_inter: int = 2) -> int:
+    """The shared checks of the fused fc2 dgrad + activation backward (h [rows, 2I] for
+    GLUs, [rows, I] with h_per_inter=1); returns I."""
     _check("d_out", d_out, 2)
     _check("w2", w2, 3)
     _check("h", h, 2)
@@ -223,12 +224,26 @@ def _check_dgrad(d_out, w2, h, expert_offsets, num_rows) -> int:
     inter = w2.shape[2]
     if w2.shape[1] != hidden:
         raise ValueError(f"megatron_mok: w2 must be [E, {hidden}, I], got {tuple(w2.shape)}")
-    if tuple(h.shape) != (rows, 2 * inter):
-        raise ValueError(f"megatron_mok: h must be [{rows}, {2 * inter}], got {tuple(h.shape)}")
+    h_cols = h_per_inter * inter
+    if tuple(h.shape) != (rows, h_cols):
+        raise ValueError(f"megatron_mok: h must be [{rows}, {h_cols}], got {tuple(h.shape)}")
     _check_table(rows, expert_offsets, w2.shape[0], num_rows)
     check_multiple_of_8(hidden=hidden, inter=inter)
     _check_cuda(d_out=d_out, w2=w2, h=h, expert_offsets=expert_offsets, num_rows=num_rows)
     return inter
+
+
+def _routed_outputs(dy_rows, row_w, h, inter: int):
+    """The routed dgrads' row_w check and outputs: (d_h like h, dots_part [rows,
+    dgrad_col_tiles(I)] fp32, act_scaled [rows, I])."""
+    rows = dy_rows.shape[0]
+    if row_w.dtype != torch.float32 or tuple(row_w.shape) != (rows,):
+        raise ValueError(f"megatron_mok: row_w must be float32 [{rows}], got "
+                         f"{row_w.dtype} {tuple(row_w.shape)}")
+    _check_cuda(dy_rows=dy_rows, row_w=row_w)
+    dots_part = torch.empty(rows, dgrad_col_tiles(inter), dtype=torch.float32,
+                            device=dy_rows.device)
+    return torch.empty_like(h), dots_part, dy_rows.new_empty(rows, inter)
 
 
 def dgrad_swiglu(d_out: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
@@ -253,16 +268,8 @@ def dgrad_swiglu_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Te
     recomputed; their sum is <dy, y_row>, the router weight's gradient, without reading y
     rows); act_scaled [rows, I] = row_w * act (dW2 = dy_rows^T act_scaled)."""
     inter = _check_dgrad(dy_rows, w2, h, expert_offsets, num_rows)
-    if row_w.dtype != torch.float32 or tuple(row_w.shape) != (dy_rows.shape[0],):
-        raise ValueError(f"megatron_mok: row_w must be float32 [{dy_rows.shape[0]}], got "
-                         f"{row_w.dtype} {tuple(row_w.shape)}")
-    _check_cuda(dy_rows=dy_rows, row_w=row_w)
     glu_tail = glu_args(glu)
-    rows = dy_rows.shape[0]
-    d_h = torch.empty_like(h)
-    dots_part = torch.empty(rows, dgrad_col_tiles(inter), dtype=torch.float32,
-                            device=dy_rows.device)
-    act_scaled = dy_rows.new_empty(rows, inter)
+    d_h, dots_part, act_scaled = _routed_outputs(dy_rows, row_w, h, inter)
     torch.ops.megatron_mok.grouped_dgrad_swiglu(dy_rows, w2, expert_offsets, num_rows, h, d_h,
                                                 max_ctas, row_w, dots_part, act_scaled,
                                                 *glu_tail)
@@ -277,26 +284,8 @@ def dgrad_act_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Tenso
     fp32, d_h = row_w * acc * f'(h); dots_part = <acc, f(h)> per column tile; act_scaled =
     row_w * f(h)."""
     act_fn, alpha = _kernel_act(activation)
-    _check("d_out", dy_rows, 2)
-    _check("w2", w2, 3)
-    _check("h", h, 2)
-    rows, hidden = dy_rows.shape
-    inter = w2.shape[2]
-    if w2.shape[1] != hidden:
-        raise ValueError(f"megatron_mok: w2 must be [E, {hidden}, I], got {tuple(w2.shape)}")
-    if tuple(h.shape) != (rows, inter):
-        raise ValueError(f"megatron_mok: h must be [{rows}, {inter}], got {tuple(h.shape)}")
-    _check_table(rows, expert_offsets, w2.shape[0], num_rows)
-    check_multiple_of_8(hidden=hidden, inter=inter)
-    if row_w.dtype != torch.float32 or tuple(row_w.shape) != (rows,):
-        raise ValueError(f"megatron_mok: row_w must be float32 [{rows}], got "
-                         f"{row_w.dtype} {tuple(row_w.shape)}")
-    _check_cuda(dy_rows=dy_rows, row_w=row_w, w2=w2, h=h, expert_offsets=expert_offsets,
-                num_rows=num_rows)
-    d_h = torch.empty_like(h)
-    dots_part = torch.empty(rows, dgrad_col_tiles(inter), dtype=torch.float32,
-                            device=dy_rows.device)
-    act_scaled = dy_rows.new_empty(rows, inter)
+    inter = _check_dgrad(dy_rows, w2, h, expert_offsets, num_rows, h_per_inter=1)
+    d_h, dots_part, act_scaled = _routed_outputs(dy_rows, row_w, h, inter)
     torch.ops.megatron_mok.grouped_dgrad_act(dy_rows, w2, expert_offsets, num_rows, h, d_h,
                                              max_ctas, row_w, dots_part, act_scaled, act_fn,
                                              alpha)
