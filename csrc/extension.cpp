@@ -100,6 +100,16 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("grouped_dgrad_act(Tensor dy_rows, Tensor w2, Tensor expert_offsets, "
         "Tensor num_rows, Tensor h, Tensor(a!) d_h, int max_ctas, Tensor? row_w, "
         "Tensor(b!)? dots_part, Tensor(c!)? act_scaled, int act_fn, float act_alpha) -> ()");
+  // Blockwise FP8 (csrc/gemm/fp8_gemm.cu): E4M3 operands, A with transposed 1 x 128 row
+  // scales [K / 128, >= rows], w with 128 x 128 block scales [E, N / 128, K / 128]; bf16 out.
+  // grouped_fp8_fc1_swiglu: w1 [E, 2I, H] (gate rows, then up), act = SwiGLU, h optional.
+  // quantize_fp8_rows: bf16 [R, K] -> E4M3 q and scale_t (1 x 128 groups along K).
+  m.def("grouped_fp8_gemm_rows(Tensor a, Tensor a_scale_t, Tensor w, Tensor w_scale, "
+        "Tensor expert_offsets, Tensor num_rows, Tensor(a!) out, int max_ctas) -> ()");
+  m.def("grouped_fp8_fc1_swiglu(Tensor x_rows, Tensor x_scale_t, Tensor w1, Tensor w1_scale, "
+        "Tensor expert_offsets, Tensor num_rows, Tensor(a!) act, Tensor(b!)? h, "
+        "int max_ctas) -> ()");
+  m.def("quantize_fp8_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale_t) -> ()");
   // The experts' bias gradients (csrc/gemm/segment_sums.cu): out [E, N] fp32, out[e] = the
   // sum of scale[r] * rows[r] (scale optional) over the rows of segment e below num_rows.
   m.def("segment_column_sums(Tensor rows, Tensor expert_offsets, Tensor num_rows, "

@@ -1,0 +1,217 @@
+// Host side of the blockwise-FP8 grouped GEMMs (fp8_tile.cuh) and the 1 x 128 row
+// quantiser that feeds them. Like the BF16 ops: outputs are caller-provided, the row count
+// and the expert offsets are read on the device, nothing synchronises with the host.
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp8.h>
+#include <torch/library.h>
+
+#include "gemm/fp8_tile.cuh"
+#include "gemm/host.cuh"
+#include "gemm/launch.cuh"
+
+namespace megatron_mok {
+namespace {
+
+using namespace cute;
+using gemm::Epi;
+using gemm::Fp8GemmConfig;
+using gemm::Fp8Scales;
+using gemm::GemmParams;
+using gemm::fp8;
+using namespace gemm_host;
+
+using CfgFp8Rows = Fp8GemmConfig<Epi::kStore>;
+using CfgFp8Fc1SwiGLU = Fp8GemmConfig<Epi::kSwiGLU>;
+
+constexpr int kGroup = 128;  // the recipe's group: 1 x 128 (activations), 128 x 128 (weights)
+
+void check_fp8_cuda(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.is_cuda(), "megatron_mok: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, "megatron_mok: ", name,
+              " must be float8_e4m3fn");
+  TORCH_CHECK(t.dim() == dim, "megatron_mok: ", name, " must have ", dim, " dimensions");
+  TORCH_CHECK(t.is_contiguous(), "megatron_mok: ", name, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "megatron_mok: ", name,
+              " must be 16-byte aligned");
+}
+
+void check_f32_cuda(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              "megatron_mok: ", name, " must be a contiguous CUDA float32 tensor");
+  TORCH_CHECK(t.sizes() == shape, "megatron_mok: ", name, " must have shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "megatron_mok: ", name,
+              " must be 16-byte aligned");
+}
+
+// A's transposed row scales [K / 128, ld], ld >= rows and a multiple of 4 (each K tile's 128
+// row scales are one 16-byte-aligned bulk copy).
+void check_a_scale(const at::Tensor& s, int64_t k, int64_t rows) {
+  TORCH_CHECK(s.is_cuda() && s.scalar_type() == at::kFloat && s.dim() == 2 && s.stride(1) == 1,
+              "megatron_mok: the row scales must be a CUDA float32 [K / 128, ld] tensor with "
+              "unit column stride (the transposed 1 x 128 scales)");
+  TORCH_CHECK(s.size(0) == k / kGroup && s.size(1) >= rows && s.stride(0) >= rows &&
+                  s.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,
+              "megatron_mok: the row scales must be [K / 128 = ", k / kGroup, ", >= ", rows,
+              "] with a row stride that is a multiple of 4 and 16-byte aligned, got ", s.sizes(),
+              " stride ", s.strides());
+}
+
+template <class Cfg>
+void launch_fp8(GemmParams p, const Fp8Scales& scales, const at::Tensor& a, int a_rows, int a_cols,
+                const at::Tensor& b, int b_n, int b_k, int b_q, const OutView& out,
+                const OutView& h, int64_t max_ctas) {
+  if (p.num_tasks <= 0 || p.n_tiles <= 0) return;
+  make_context_current(a);
+  auto mA = make_tensor(make_gmem_ptr(reinterpret_cast<const fp8*>(a.data_ptr())),
+                        make_shape(a_rows, a_cols), make_stride(int64_t(a_cols), _1{}));
+  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, mA, typename Cfg::SmemLayoutA{}(_, _, 0),
+                             Shape<Int<Cfg::BM>, Int<Cfg::BK>>{});
+  // B (N, K, Q): Q = experts (kStore) or 2 E halves, gate of e = 2e, up = 2e + 1 (kSwiGLU).
+  auto mB = make_tensor(make_gmem_ptr(reinterpret_cast<const fp8*>(b.data_ptr())),
+                        make_shape(b_n, b_k, b_q),
+                        make_stride(int64_t(b_k), _1{}, int64_t(b_n) * b_k));
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
+                             Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
+  auto tma_o = make_store_atom<Cfg>(out);
+  auto tma_h = make_store_atom<Cfg>(h);
+  auto kernel = &gemm::grouped_fp8_kernel<Cfg, decltype(tma_a), decltype(tma_b), decltype(tma_o)>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Cfg::kSmemBytes));
+  at::Tensor counter;
+  if (counter_scheduler()) {
+    counter = at::zeros({1}, a.options().dtype(at::kInt));
+    p.task_counter = counter.data_ptr<int>();
+  }
+  int ctas = std::min(num_sms(a.get_device()), p.num_tasks);
+  if (max_ctas > 0) ctas = std::min<int>(ctas, int(max_ctas));
+  const gemm::OperandShapes shapes{a_rows, a_cols, b_n, b_k, b_q};
+  kernel<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(
+      p, scales, tma_a, tma_b, tma_o, tma_h, shapes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// out [rows, N] bf16 = dq(a) @ dq(w[e])^T per expert segment: a [rows, K] E4M3 with its
+// transposed row scales a_scale_t [K / 128, >= rows], w [E, N, K] E4M3 with block scales
+// w_scale [E, N / 128, K / 128].
+void grouped_fp8_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& a_scale_t,
+                                const at::Tensor& w, const at::Tensor& w_scale,
+                                const at::Tensor& offsets, const at::Tensor& num_rows,
+                                const at::Tensor& out, int64_t max_ctas) {
+  check_fp8_cuda(a, "a", 2);
+  check_fp8_cuda(w, "w", 3);
+  check_bf16_cuda(out, "out", 2);
+  const int64_t R = a.size(0), K = a.size(1), E = w.size(0), N = w.size(1);
+  TORCH_CHECK(K % kGroup == 0 && N % kGroup == 0,
+              "megatron_mok: blockwise FP8 needs N and K to be multiples of 128, got N = ", N,
+              ", K = ", K);
+  TORCH_CHECK(w.size(2) == K, "megatron_mok: w must be [E, N, K] with a's K");
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  TORCH_CHECK(out.size(0) == R && out.size(1) == N, "megatron_mok: out must be [rows, N]");
+  check_a_scale(a_scale_t, K, R);
+  check_f32_cuda(w_scale, "w_scale", {E, N / kGroup, K / kGroup});
+  c10::cuda::CUDAGuard guard(a.device());
+  GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgFp8Rows::BN);
+  const Fp8Scales s{a_scale_t.data_ptr<float>(), a_scale_t.stride(0), w_scale.data_ptr<float>(),
+                    int(N / kGroup), int(K / kGroup), 0};
+  launch_fp8<CfgFp8Rows>(p, s, a, int(R), int(K), w, int(N), int(K), int(E), rows_view(out),
+                         rows_view(out), max_ctas);
+}
+
+// act [rows, I] bf16 = SwiGLU(dq(x) @ dq(w1[e])^T), h [rows, 2I] the pre-activations (bf16,
+// optional): x [rows, H] E4M3 with x_scale_t [H / 128, >= rows], w1 [E, 2I, H] E4M3 (gate
+// rows, then up rows) with w1_scale [E, 2I / 128, H / 128].
+void grouped_fp8_fc1_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scale_t,
+                                 const at::Tensor& w1, const at::Tensor& w1_scale,
+                                 const at::Tensor& offsets, const at::Tensor& num_rows,
+                                 const at::Tensor& act, const std::optional<at::Tensor>& h,
+                                 int64_t max_ctas) {
+  check_fp8_cuda(x, "x_rows", 2);
+  check_fp8_cuda(w1, "w1", 3);
+  check_bf16_cuda(act, "act", 2);
+  const int64_t R = x.size(0), H = x.size(1), E = w1.size(0), I = w1.size(1) / 2;
+  TORCH_CHECK(w1.size(1) == 2 * I && w1.size(2) == H, "megatron_mok: w1 must be [E, 2I, H]");
+  TORCH_CHECK(H % kGroup == 0 && I % kGroup == 0,
+              "megatron_mok: blockwise FP8 needs H and I to be multiples of 128, got H = ", H,
+              ", I = ", I);
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
+  check_a_scale(x_scale_t, H, R);
+  check_f32_cuda(w1_scale, "w1_scale", {E, 2 * I / kGroup, H / kGroup});
+  c10::cuda::CUDAGuard guard(x.device());
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8Fc1SwiGLU::BN / 2);
+  if (h.has_value()) {
+    check_bf16_cuda(*h, "h", 2);
+    TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
+    p.store_h = true;
+  }
+  const Fp8Scales s{x_scale_t.data_ptr<float>(), x_scale_t.stride(0), w1_scale.data_ptr<float>(),
+                    int(2 * I / kGroup), int(H / kGroup), int(I / kGroup)};
+  const OutView act_view = rows_view(act);
+  launch_fp8<CfgFp8Fc1SwiGLU>(p, s, x, int(R), int(H), w1, int(I), int(H), int(2 * E), act_view,
+                              h.has_value() ? halves_view(*h) : act_view, max_ctas);
+}
+
+// 1 x 128 quantisation of bf16 rows, as megatron_mok.fp8_formats.quantize_blockwise: per
+// group scale = amax / 448 (1 for an all-zero group), q = rne_e4m3(x / scale) saturated
+// (IEEE division, so the bits are the reference's). One warp per (row, group), 4 values a
+// lane; the scale goes to the transposed layout the GEMMs read.
+__global__ void quantize_fp8_rows_kernel(const __nv_bfloat16* __restrict__ x,
+                                         __nv_fp8_storage_t* __restrict__ q,
+                                         float* __restrict__ scale_t, int64_t scale_ld,
+                                         int64_t rows, int groups) {
+  const int lane = threadIdx.x % 32;
+  const int64_t item = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= rows * groups) return;
+  const int64_t r = item / groups;
+  const int g = int(item % groups);
+  const int64_t base = r * groups * kGroup + g * kGroup + lane * 4;
+  const uint2 raw = *reinterpret_cast<const uint2*>(x + base);
+  const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  float amax = fmaxf(fmaxf(fabsf(v01.x), fabsf(v01.y)), fmaxf(fabsf(v23.x), fabsf(v23.y)));
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = amax > 0.f ? amax / 448.f : 1.f;
+  const __nv_fp8x2_storage_t lo =
+      __nv_cvt_float2_to_fp8x2(make_float2(v01.x / scale, v01.y / scale), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi =
+      __nv_cvt_float2_to_fp8x2(make_float2(v23.x / scale, v23.y / scale), __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<uint32_t*>(q + base) = uint32_t(lo) | (uint32_t(hi) << 16);
+  if (lane == 0) scale_t[int64_t(g) * scale_ld + r] = scale;
+}
+
+void quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_t) {
+  check_bf16_cuda(x, "x", 2);
+  check_fp8_cuda(q, "q", 2);
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0, "megatron_mok: 1 x 128 quantisation needs K to be a multiple of "
+              "128, got ", K);
+  TORCH_CHECK(q.sizes() == x.sizes() && q.device() == x.device(),
+              "megatron_mok: q must be x's shape on x's device");
+  check_a_scale(scale_t, K, R);
+  TORCH_CHECK(scale_t.device() == x.device(), "megatron_mok: scale_t must be on x's device");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t items = R * (K / kGroup);
+  if (items == 0) return;
+  constexpr int kWarps = 8;
+  quantize_fp8_rows_kernel<<<int((items + kWarps - 1) / kWarps), 32 * kWarps, 0,
+                             at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+      reinterpret_cast<__nv_fp8_storage_t*>(q.data_ptr()), scale_t.data_ptr<float>(),
+      scale_t.stride(0), R, int(K / kGroup));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
+  m.impl("grouped_fp8_gemm_rows", &grouped_fp8_gemm_rows_cuda);
+  m.impl("grouped_fp8_fc1_swiglu", &grouped_fp8_fc1_swiglu_cuda);
+  m.impl("quantize_fp8_rows", &quantize_fp8_rows_cuda);
+}
+
+}  // namespace megatron_mok

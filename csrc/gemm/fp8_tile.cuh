@@ -1,0 +1,267 @@
+// The blockwise-FP8 grouped GEMM of the core (sm_90a): E4M3 x E4M3 WGMMAs over the row
+// table, DeepSeek-V3's recipe (docs/fp8.md). A (rows, K) carries one fp32 scale per row and
+// 128 of K (1 x 128 groups), B (N, K) per expert one per 128 x 128 block.
+//
+//   BK = 128: one K tile is exactly one scale group of A and of B. Each K tile's four
+//   m64n128k32 WGMMAs accumulate into a zeroed partial; the consumer then promotes it,
+//   acc += part * s_a[row] * s_b[column block] (fp32 FMAs). The FP8 tensor core's limited
+//   accumulation precision thus covers 128 products, never the whole K.
+//   BN = 128: the partial and the accumulator are 64 registers each per thread (64 x 128
+//   per warpgroup); at BN = 256 they would not fit beside the mainloop's.
+//
+// Everything else is the BF16 core's (tile.cuh): the producer warpgroup's TMA ring, the
+// task decoding and counter scheduler, and the staged epilogues (kStore: bf16 out; kSwiGLU:
+// the 128-column B tile is 64 gate rows + the 64 matching up rows, act and h in bf16). The
+// producer also bulk-copies the 128 row scales of A's K tile into the stage (A's scales are
+// stored transposed, [K / 128, rows], so they are one contiguous 512-byte run). A tile has
+// one owner and a fixed K order: the same bits for any grid size or task order.
+#pragma once
+
+#include "gemm/tile.cuh"
+
+namespace megatron_mok::gemm {
+
+using fp8 = cute::float_e4m3_t;
+
+// The operand ring (fp8), the epilogue's bf16 staging buffers, A's row scales per stage,
+// the ring's barriers and the task queue (member names as TileStorage's: the shared pieces
+// of tile.cuh use them).
+template <int kElemsA, int kElemsB, int kEpiElems, int Stages>
+struct Fp8TileStorage {
+  alignas(1024) fp8 a[kElemsA];
+  alignas(1024) fp8 b[kElemsB];
+  alignas(1024) bf16 epi[kEpiElems];
+  alignas(16) float a_scale[Stages][128];
+  alignas(8) uint64_t full[Stages];
+  alignas(8) uint64_t empty[Stages];
+  alignas(8) uint64_t task_full[2];
+  alignas(8) uint64_t task_empty[2];
+  int task_id[2];
+};
+
+template <Epi kEpi, int kStages = 5>
+struct Fp8GemmConfig {
+  static_assert(kEpi == Epi::kStore || kEpi == Epi::kSwiGLU, "FP8: fc1 + SwiGLU and plain rows");
+  static constexpr int BM = 128, BN = 128, BK = 128, Stages = kStages, kCluster = 1;
+  static constexpr bool kGlu = false;
+  static constexpr int kAct = 0;
+  static constexpr Grouping group = Grouping::kRows;
+  static constexpr Epi epi = kEpi;
+  static constexpr int kSplit = kEpi == Epi::kSwiGLU ? 2 : 1;  // B boxes per tile
+  static constexpr int kThreads = 384;
+  using Out = __nv_bfloat16;
+
+  // K-major, 128-byte rows (128 E4M3 values of K): one SW128 atom spans the K tile.
+  using Atom = GMMA::Layout_K_SW128_Atom<fp8>;
+  using SmemLayoutA = decltype(tile_to_shape(Atom{}, Shape<Int<BM>, Int<BK>, Int<Stages>>{}));
+  using SmemLayoutB = decltype(tile_to_shape(Atom{}, Shape<Int<BN>, Int<BK>, Int<Stages>>{}));
+  using SmemLayoutBBox = decltype(tile_to_shape(
+      Atom{}, Shape<Int<BN / kSplit>, Int<BK>, Int<Stages * kSplit>>{}));
+  using MmaOp = decltype(GMMA::ss_op_selector<fp8, fp8, float, Shape<_64, Int<BN>, Int<BK>>,
+                                              GMMA::Major::K, GMMA::Major::K>());
+  using TiledMma = decltype(make_tiled_mma(MmaOp{}, Layout<Shape<_2, _1, _1>>{}));
+  using StrideA = Stride<int64_t, _1>;
+  using StrideB = Stride<int64_t, _1, int64_t>;
+
+  static constexpr int kScaleBytes = BM * int(sizeof(float));
+  static constexpr int kTxBytes = (BM * BK + BN * BK) * int(sizeof(fp8)) + kScaleBytes;
+
+  static constexpr int kChunkCols = 64;  // bf16 output: 128-byte chunk rows
+  using EpiT = bf16;
+  using EpiLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<EpiT>{},
+                                           Shape<_64, Int<kChunkCols>>{}));
+  static constexpr int kChunkElems = 64 * kChunkCols;
+
+  using SharedStorage = Fp8TileStorage<cosize_v<SmemLayoutA>, cosize_v<SmemLayoutB>,
+                                       2 * 2 * kChunkElems, Stages>;
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+// The scales of one FP8 GEMM. a_scale_t [K / 128, a_scale_ld]: A row r's scale of K tile k
+// at a_scale_t[k * a_scale_ld + r] (a_scale_ld >= the row table's rows, a multiple of 4).
+// b_scale [E, b_blocks_n, K / 128]: expert e's scale of B rows [128 j, 128 j + 128), K tile
+// k at b_scale[(e * b_blocks_n + j) * k_blocks + k]; for kSwiGLU B is w1 [E, 2I, H], gate
+// rows in blocks [0, I / 128), up rows after them (gate_blocks = I / 128).
+struct Fp8Scales {
+  const float* a_scale_t;
+  int64_t a_scale_ld;
+  const float* b_scale;
+  int b_blocks_n, k_blocks, gate_blocks;
+};
+
+// One bulk copy (not a tensor map) of `bytes` from global into shared memory, completing
+// on the stage's transaction barrier.
+__device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_src, int bytes,
+                                              uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(cute::cast_smem_ptr_to_uint(smem_dst)), "l"(gmem_src), "r"(bytes),
+      "r"(cute::cast_smem_ptr_to_uint(bar))
+      : "memory");
+}
+
+// Producer: one task's K tiles (A box, B boxes, A's 128 row scales) into the ring.
+template <class Cfg, class Storage, class TmaA, class TmaB>
+__device__ __forceinline__ void fp8_load_task(Storage& smem, const TmaA& tma_a, const TmaB& tma_b,
+                                              const OperandShapes& shapes, const Fp8Scales& s,
+                                              const Task& task, RingPos& ring) {
+  using namespace cute;
+  constexpr int BM = Cfg::BM, BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg::SmemLayoutA{});
+  Tensor sBbox = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
+  Tensor mA = tma_a.get_tma_tensor(make_shape(shapes.a_rows, shapes.a_cols));
+  Tensor mB = tma_b.get_tma_tensor(make_shape(shapes.b_n, shapes.b_k, shapes.b_q));
+  Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
+  auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                    group_modes<0, 2>(gA));
+  const float* scale_src = s.a_scale_t + int64_t(task.m_tile) * BM;
+  for (int k = task.k_begin; k < task.k_end; ++k) {
+    EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
+    FullBar::arrive_and_expect_tx(&smem.full[ring.stage], Cfg::kTxBytes);
+    copy(tma_a.with(smem.full[ring.stage]), tAgA(_, k), tAsA(_, ring.stage));
+    CUTE_UNROLL
+    for (int h = 0; h < kSplit; ++h) {
+      Tensor gB = local_tile(mB(_, _, task.expert * kSplit + h), Shape<Int<BNh>, Int<BK>>{},
+                             make_coord(task.n_tile, _));
+      auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
+                                        group_modes<0, 2>(gB));
+      copy(tma_b.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
+    }
+    bulk_copy_g2s(smem.a_scale[ring.stage], scale_src + int64_t(k) * s.a_scale_ld,
+                  Cfg::kScaleBytes, &smem.full[ring.stage]);
+    ring.advance<Cfg::Stages>();
+  }
+}
+
+// Consumer warpgroup: K tiles [k_begin, k_end) of one task. Per K tile the WGMMAs fill
+// `part` from zero, and once they are complete (the stage is then handed back) the
+// promotion adds part * s_a * s_b into accum, which starts at zero. Accumulator element i
+// of a thread is row row_t + 8 * ((i / 2) % 2) of the warpgroup's slice (tile.cuh); with
+// kSplit = 2 its first half is gate columns (B block gate_blocks's... see Fp8Scales), the
+// second half up columns.
+template <class Cfg, class Storage, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, FragA& tCrA,
+                                             FragB& tCrB, Acc& accum, Acc& part,
+                                             const Fp8Scales& s, const Task& task,
+                                             const EpilogueState& es, RingPos& ring) {
+  using namespace cute;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  constexpr int kAcc = Cfg::BN / 2;
+  // B's scale rows of this tile: kStore one block (BN = 128 rows), kSwiGLU the gate block
+  // and the up block of its 64 + 64 rows.
+  const float* b_scale = s.b_scale + int64_t(task.expert) * s.b_blocks_n * s.k_blocks;
+  const float* sb_lo;
+  const float* sb_hi;
+  if constexpr (Cfg::kSplit == 2) {
+    const int blk = task.n_tile * (Cfg::BN / 2) / 128;
+    sb_lo = b_scale + int64_t(blk) * s.k_blocks;
+    sb_hi = b_scale + int64_t(s.gate_blocks + blk) * s.k_blocks;
+  } else {
+    sb_lo = sb_hi = b_scale + int64_t(task.n_tile) * s.k_blocks;
+  }
+  const int row0 = 64 * es.wg + es.row_t;
+  CUTE_UNROLL
+  for (int i = 0; i < size(accum); ++i) accum(i) = 0.f;
+  for (int k = task.k_begin; k < task.k_end; ++k) {
+    const float b_lo = __ldg(sb_lo + k), b_hi = __ldg(sb_hi + k);
+    FullBar::wait(&smem.full[ring.stage], ring.phase);
+    compiler_fence();
+    const float a0 = smem.a_scale[ring.stage][row0], a1 = smem.a_scale[ring.stage][row0 + 8];
+    warpgroup_fence_operand(part);
+    warpgroup_arrive();
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(tiled_mma, tCrA(_, _, kb, ring.stage), tCrB(_, _, kb, ring.stage), part);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(part);
+    compiler_fence();
+    EmptyBar::arrive(&smem.empty[ring.stage]);
+    ring.advance<Cfg::Stages>();
+    const float s_lo[2] = {a0 * b_lo, a1 * b_lo}, s_hi[2] = {a0 * b_hi, a1 * b_hi};
+    CUTE_UNROLL
+    for (int i = 0; i < size(accum); ++i) {
+      const float sc = i < kAcc / 2 ? s_lo[(i / 2) % 2] : s_hi[(i / 2) % 2];
+      accum(i) = fmaf(part(i), sc, accum(i));
+    }
+  }
+}
+
+// The standalone FP8 grouped-GEMM kernel (kRows; clusters of 1). Tasks from the global
+// counter (task_counter set) or static striding, as the BF16 kernel.
+template <class Cfg, class TmaA, class TmaB, class TmaO>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ Fp8Scales s,
+                   const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaB tma_b,
+                   const __grid_constant__ TmaO tma_o, const __grid_constant__ TmaO tma_h,
+                   const OperandShapes shapes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cute;
+  using Storage = typename Cfg::SharedStorage;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<Storage*>(smem_raw);
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_o.get_tma_descriptor());
+    prefetch_tma_descriptor(tma_h.get_tma_descriptor());
+    init_tile_barriers<Cfg>(smem);
+  }
+  __syncthreads();
+  const bool counter = p.task_counter != nullptr;
+  TaskQueue<Storage> queue{smem};
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<56>();
+    if (threadIdx.x == 0) {
+      auto next_task = [&](int t_static) {
+        if (!counter) return t_static;
+        const int t = atomicAdd(p.task_counter, 1);
+        queue.push(t);
+        return t;
+      };
+      RingPos ring;
+      for (int t = next_task(blockIdx.x); t < p.num_tasks; t = next_task(t + gridDim.x)) {
+        const Task task = decode_task<Cfg>(p, t, 0);
+        if (task.skip || task.k_begin >= task.k_end) continue;
+        fp8_load_task<Cfg>(smem, tma_a, tma_b, shapes, s, task, ring);
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<224>();
+    const int ctid = threadIdx.x - 128;
+    typename Cfg::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(ctid);
+    Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutB{});
+    Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));
+    Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
+    Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<Cfg::BM>, Int<Cfg::BN>>{});
+    Tensor part = partition_fragment_C(tiled_mma, Shape<Int<Cfg::BM>, Int<Cfg::BN>>{});
+    static_assert(decltype(size(accum))::value == Cfg::BN / 2,
+                  "one 64 x BN WGMMA accumulator per consumer warpgroup");
+    Tensor tCcD = thr_mma.partition_C(make_identity_tensor(Shape<Int<Cfg::BM>, Int<Cfg::BN>>{}));
+    const int wg = warpgroup - 1;
+    EpilogueState es{wg, ctid % 128, int(get<0>(tCcD(0))) - 64 * wg, int(get<1>(tCcD(0))), 0};
+    auto next_task = [&](int t_static) { return counter ? queue.pop() : t_static; };
+    RingPos ring;
+    for (int t = next_task(blockIdx.x); t < p.num_tasks; t = next_task(t + gridDim.x)) {
+      const Task task = decode_task<Cfg>(p, t, 0);
+      if (task.skip) continue;
+      const bool has_k = task.k_begin < task.k_end;
+      if (has_k) fp8_mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, s, task, es, ring);
+      if (task.store) tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h);
+    }
+    if (es.wg_thread == 0) tma_store_wait<0>();
+  }
+#endif
+}
+
+}  // namespace megatron_mok::gemm

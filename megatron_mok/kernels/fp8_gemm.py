@@ -1,0 +1,145 @@
+"""Blockwise-FP8 grouped GEMMs of the core (csrc/gemm/fp8_gemm.cu, docs/fp8.md).
+
+The recipe's operands: activations in 1 x 128 groups along K (E4M3 values, one fp32 scale
+per row and group, stored transposed as [K / 128, rows] for the kernels' bulk loads),
+weights in 128 x 128 blocks (`fp8_formats.quantize_blockwise(w, block_rows=128)`: [E, N, K]
+values, [E, N / 128, K / 128] scales), quantised once per optimizer step. Rows follow the
+row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments padded to
+128 rows, counts read on the device, outputs caller-given or allocated here, no host sync.
+
+    quantize_rows(x)                    x bf16 [R, K] -> (q E4M3 [R, K], scale_t [K/128, R])
+    quantize_weight(w)                  w [E, N, K] -> BlockwiseFP8Tensor (128 x 128)
+    fc1_swiglu(xq, xs, w1q, ...)        act = SwiGLU(dq(x) dq(w1)^T) bf16 (+ h bf16)
+    rows_matmul(aq, as_, wq, ...)       out = dq(a) dq(w[e])^T bf16       fc2 forward
+    expert_forward(x_rows, w1q, w2q)    the FP8 experts' forward chain over the row table
+
+The GEMMs promote their fp32 partial every 128 of K (docs/fp8.md), so the sums follow a
+fixed order: bitwise deterministic and independent of the grid size, as the BF16 core.
+So far the forward only; the backward and the fused quantisation are not built.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from megatron_mok.fp8_formats import GROUP_SIZE, BlockwiseFP8Tensor, quantize_blockwise
+from megatron_mok.kernels import ops
+
+FP8 = torch.float8_e4m3fn
+
+
+def available() -> bool:
+    return ops.extension_available() and hasattr(torch.ops.megatron_mok, "grouped_fp8_gemm_rows")
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_cuda(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+
+
+def _check_multiple(what: str, value: int) -> None:
+    if value % GROUP_SIZE:
+        raise ValueError(f"blockwise FP8 needs {what} to be a multiple of {GROUP_SIZE}, got "
+                         f"{value}; run this layer in BF16")
+
+
+def quantize_rows(x: torch.Tensor, q: Optional[torch.Tensor] = None,
+                  scale_t: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """1 x 128 quantisation of bf16 rows [R, K]: (q [R, K] E4M3, scale_t [K / 128, R] fp32),
+    the bits of `quantize_blockwise(x, block_rows=1)` (scale_t is its scale transposed)."""
+    _check(x, "x", torch.bfloat16, 2)
+    _check_multiple("K", x.shape[1])
+    _check_cuda(x, "x")
+    rows, k = x.shape
+    if q is None:
+        q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    if scale_t is None:
+        scale_t = torch.empty(k // GROUP_SIZE, -(-rows // 4) * 4, dtype=torch.float32,
+                              device=x.device)[:, :rows]
+    torch.ops.megatron_mok.quantize_fp8_rows(x, q, scale_t)
+    return q, scale_t
+
+
+def quantize_weight(w: torch.Tensor) -> BlockwiseFP8Tensor:
+    """Expert weights [E, N, K] in 128 x 128 blocks (N and K multiples of 128)."""
+    if w.dim() != 3:
+        raise ValueError(f"expert weights must be [E, N, K], got shape {tuple(w.shape)}")
+    return quantize_blockwise(w, block_rows=GROUP_SIZE)
+
+
+def _check_gemm(aq, a_scale_t, wq, w_scale, expert_offsets, num_rows) -> None:
+    _check(aq, "a", FP8, 2)
+    _check(wq, "w", FP8, 3)
+    _check(w_scale, "w_scale", torch.float32, 3)
+    _check(expert_offsets, "expert_offsets", torch.int32, 1)
+    if a_scale_t.dtype != torch.float32 or a_scale_t.dim() != 2 or a_scale_t.stride(1) != 1:
+        raise ValueError("a_scale_t must be float32 [K / 128, rows] with unit column stride "
+                         "(quantize_rows's scale_t)")
+    _check_multiple("K", aq.shape[1])
+    _check_multiple("N", wq.shape[1])
+    if wq.shape[2] != aq.shape[1]:
+        raise ValueError(f"w [E, N, K] must share a's K = {aq.shape[1]}, got {tuple(wq.shape)}")
+    if expert_offsets.numel() != wq.shape[0] + 1:
+        raise ValueError(f"expert_offsets must have E + 1 = {wq.shape[0] + 1} entries, got "
+                         f"{expert_offsets.numel()}")
+    if num_rows.dtype != torch.int32 or num_rows.numel() != 1:
+        raise ValueError("num_rows must be an int32 tensor with one element")
+    for t, name in ((aq, "a"), (a_scale_t, "a_scale_t"), (wq, "w"), (w_scale, "w_scale"),
+                    (expert_offsets, "expert_offsets"), (num_rows, "num_rows")):
+        _check_cuda(t, name)
+        if t.device != aq.device:
+            raise ValueError(f"{name} must be on a's device {aq.device}, got {t.device}")
+
+
+def rows_matmul(aq: torch.Tensor, a_scale_t: torch.Tensor, wq: torch.Tensor,
+                w_scale: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
+                out: Optional[torch.Tensor] = None, max_ctas: int = 0) -> torch.Tensor:
+    """out [R, N] bf16 = dq(a) @ dq(w[e])^T on expert e's rows (w [E, N, K])."""
+    _check_gemm(aq, a_scale_t, wq, w_scale, expert_offsets, num_rows)
+    if out is None:
+        out = torch.empty(aq.shape[0], wq.shape[1], dtype=torch.bfloat16, device=aq.device)
+    torch.ops.megatron_mok.grouped_fp8_gemm_rows(aq, a_scale_t, wq, w_scale, expert_offsets,
+                                                 num_rows, out, max_ctas)
+    return out
+
+
+def fc1_swiglu(xq: torch.Tensor, x_scale_t: torch.Tensor, w1q: torch.Tensor,
+               w1_scale: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
+               save_h: bool = True, max_ctas: int = 0
+               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(act [R, I] bf16, h [R, 2I] bf16 or None): fc1 in FP8 (w1 [E, 2I, H], gate rows then up
+    rows) with SwiGLU in the epilogue, from the fp32 accumulators."""
+    _check_gemm(xq, x_scale_t, w1q, w1_scale, expert_offsets, num_rows)
+    rows, inter = xq.shape[0], w1q.shape[1] // 2
+    _check_multiple("I", inter)
+    act = torch.empty(rows, inter, dtype=torch.bfloat16, device=xq.device)
+    h = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=xq.device) if save_h else None
+    torch.ops.megatron_mok.grouped_fp8_fc1_swiglu(xq, x_scale_t, w1q, w1_scale, expert_offsets,
+                                                  num_rows, act, h, max_ctas)
+    return act, h
+
+
+def expert_forward(x_rows: torch.Tensor, w1: BlockwiseFP8Tensor, w2: BlockwiseFP8Tensor,
+                   expert_offsets: torch.Tensor, num_rows: torch.Tensor, save_h: bool = False,
+                   max_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The routed experts' forward in FP8 over the row table: x rows quantised 1 x 128, fc1 +
+    SwiGLU, act quantised 1 x 128 (from its bf16 rounding: the quantisation is not yet fused
+    into the fc1 epilogue), fc2. Returns (out rows [R, H] bf16, h or None)."""
+    xq, xs = quantize_rows(x_rows)
+    act, h = fc1_swiglu(xq, xs, w1.data, w1.scale, expert_offsets, num_rows, save_h, max_ctas)
+    aq, as_ = quantize_rows(act)
+    return rows_matmul(aq, as_, w2.data, w2.scale, expert_offsets, num_rows,
+                       max_ctas=max_ctas), h

@@ -1,0 +1,146 @@
+"""The blockwise-FP8 grouped GEMMs (megatron_mok.kernels.fp8_gemm) against the FP8 spec:
+the quantiser's bits against fp8_formats.quantize_blockwise, each GEMM against the fp32
+product of the same dequantised operands (blockwise_matmul_reference), the forward chain
+against reference_fp8's expert, bitwise independence of the grid size and the scheduler.
+Input checks run on the CPU."""
+
+import pytest
+import torch
+
+from megatron_mok import knobs
+from megatron_mok.activations import SWIGLU
+from megatron_mok.fp8_formats import (BlockwiseFP8Tensor, blockwise_matmul_reference,
+                                      quantize_blockwise)
+from megatron_mok.kernels import fp8_gemm as f8
+from megatron_mok.reference_fp8 import fp8_expert
+from megatron_mok.reference import rel_l2
+from row_tables import COUNTS, rand_bf16, row_table, segments
+
+# bf16 outputs of fp32 sums (2^-9 relative per element) over FP8 products; the FP8 WGMMA's
+# own accumulation within a 128-deep K tile adds ~2^-14.
+GEMM_TOL = 5e-3
+DIMS = [(256, 128), (768, 384), (2048, 768)]  # (H, I)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _rows_as_blockwise(q, scale_t, lo, hi):
+    """Rows [lo, hi) of a quantised row block as the spec's tensor."""
+    return BlockwiseFP8Tensor(q[lo:hi].contiguous(), scale_t[:, lo:hi].t().contiguous(), 1)
+
+
+def _weight_slice(w: BlockwiseFP8Tensor, e, rows=None):
+    data, scale = w.data[e], w.scale[e]
+    if rows is not None:
+        data, scale = data[rows], scale[rows.start // 128:rows.stop // 128]
+    return BlockwiseFP8Tensor(data.contiguous(), scale.contiguous(), 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, k", [(1, 128), (300, 768), (1024, 2048)])
+def test_quantize_rows_bits_match_the_spec(rows, k):
+    x = rand_bf16(rows, k, seed=rows + k, scale=3.0)
+    x[0, :128] = 0  # an all-zero group: scale 1
+    q, scale_t = f8.quantize_rows(x)
+    ref = quantize_blockwise(x, block_rows=1)
+    assert torch.equal(_bits(q), _bits(ref.data))
+    assert torch.equal(scale_t, ref.scale.t())
+    assert scale_t[0, 0].item() == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", DIMS)
+def test_fc2_rows_matmul_matches_the_dequantised_product(routing, hidden, inter):
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    E = len(offs) - 1
+    a = rand_bf16(capacity, inter, seed=1, real=real)
+    w = f8.quantize_weight(rand_bf16(E, hidden, inter, seed=2, scale=inter ** -0.5))
+    aq, a_scale_t = f8.quantize_rows(a)
+    out = f8.rows_matmul(aq, a_scale_t, w.data, w.scale, offsets, num_rows)
+    for e, lo, hi in segments(offs):
+        ref = blockwise_matmul_reference(_rows_as_blockwise(aq, a_scale_t, lo, hi),
+                                         _weight_slice(w, e))
+        assert rel_l2(out[lo:hi].float(), ref) < GEMM_TOL, (e, lo, hi)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", DIMS)
+def test_fc1_swiglu_matches_the_dequantised_product(routing, hidden, inter):
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    E = len(offs) - 1
+    x = rand_bf16(capacity, hidden, seed=3, real=real)
+    w1 = f8.quantize_weight(rand_bf16(E, 2 * inter, hidden, seed=4, scale=hidden ** -0.5))
+    xq, x_scale_t = f8.quantize_rows(x)
+    act, h = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows)
+    for e, lo, hi in segments(offs):
+        h_ref = blockwise_matmul_reference(_rows_as_blockwise(xq, x_scale_t, lo, hi),
+                                           _weight_slice(w1, e))
+        assert rel_l2(h[lo:hi].float(), h_ref) < GEMM_TOL, (e, lo, hi)
+        assert rel_l2(act[lo:hi].float(), SWIGLU(h_ref)) < GEMM_TOL, (e, lo, hi)
+
+
+@pytest.mark.gpu
+def test_expert_forward_matches_the_fp8_spec():
+    """The chain x -> q -> fc1 + SwiGLU -> q -> fc2 against reference_fp8's expert per
+    segment (the chain quantises act from its bf16 rounding, the spec from fp32)."""
+    offsets, num_rows, capacity, real, offs = row_table([300, 129, 0, 77])
+    hidden, inter = 1024, 512
+    E = len(offs) - 1
+    x = rand_bf16(capacity, hidden, seed=5, real=real)
+    w1_bf = rand_bf16(E, 2 * inter, hidden, seed=6, scale=hidden ** -0.5)
+    w2_bf = rand_bf16(E, hidden, inter, seed=7, scale=inter ** -0.5)
+    out, _ = f8.expert_forward(x, f8.quantize_weight(w1_bf), f8.quantize_weight(w2_bf),
+                               offsets, num_rows)
+    for e, lo, hi in segments(offs):
+        ref = fp8_expert(x[lo:hi].float(), w1_bf[e], w2_bf[e], torch.bfloat16)
+        assert rel_l2(out[lo:hi].float(), ref) < 1e-2, (e, lo, hi)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduler", ["counter", "static"])
+def test_bits_do_not_depend_on_the_grid_or_the_scheduler(scheduler):
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS["ragged"])
+    hidden, inter = 768, 384
+    E = len(offs) - 1
+    x = rand_bf16(capacity, hidden, seed=8, real=real)
+    w1 = f8.quantize_weight(rand_bf16(E, 2 * inter, hidden, seed=9, scale=hidden ** -0.5))
+    w2 = f8.quantize_weight(rand_bf16(E, hidden, inter, seed=10, scale=inter ** -0.5))
+    base, base_h = f8.expert_forward(x, w1, w2, offsets, num_rows, save_h=True)
+    knobs.set_env("MOK_GEMM_SCHEDULER", scheduler)
+    try:
+        for ctas in (1, 5, 0):
+            out, h = f8.expert_forward(x, w1, w2, offsets, num_rows, save_h=True, max_ctas=ctas)
+            assert torch.equal(out, base) and torch.equal(h, base_h), ctas
+    finally:
+        knobs.set_env("MOK_GEMM_SCHEDULER", None)
+
+
+@pytest.mark.gpu
+def test_rows_past_num_rows_are_not_written():
+    offsets, _, capacity, real, offs = row_table([256, 256])
+    num_rows = torch.tensor([128], dtype=torch.int32, device="cuda")
+    a = rand_bf16(capacity, 256, seed=11, real=real)
+    w = f8.quantize_weight(rand_bf16(2, 256, 256, seed=12, scale=1 / 16))
+    aq, s = f8.quantize_rows(a)
+    out = torch.full((capacity, 256), 7.0, dtype=torch.bfloat16, device="cuda")
+    f8.rows_matmul(aq, s, w.data, w.scale, offsets, num_rows, out=out)
+    assert bool((out[128:] == 7.0).all())
+    assert not bool((out[:128] == 7.0).all())
+
+
+def test_bad_inputs_raise_before_any_launch():
+    x = torch.zeros(128, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        f8.quantize_rows(x)
+    with pytest.raises(TypeError, match="bfloat16"):
+        f8.quantize_rows(x.float())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        f8.quantize_rows(torch.zeros(128, 200, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        f8.quantize_weight(torch.zeros(2, 100, 256))
+    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+        f8.quantize_weight(torch.zeros(100, 256))
