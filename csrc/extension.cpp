@@ -109,7 +109,16 @@ TORCH_LIBRARY(megatron_mok, m) {
   m.def("grouped_fp8_fc1_swiglu(Tensor x_rows, Tensor x_scale_t, Tensor w1, Tensor w1_scale, "
         "Tensor expert_offsets, Tensor num_rows, Tensor(a!) act, Tensor(b!)? h, "
         "int max_ctas) -> ()");
+  // grouped_fp8_dgrad_swiglu: w2t [E, I, H] (w2 transposed, 128 x 128 blocks along H);
+  // row_w / dots_part [rows, I / 128] / act_scaled as grouped_dgrad_swiglu's.
+  m.def("grouped_fp8_dgrad_swiglu(Tensor dy_rows, Tensor dy_scale_t, Tensor w2t, "
+        "Tensor w2t_scale, Tensor expert_offsets, Tensor num_rows, Tensor h, Tensor(a!) d_h, "
+        "int max_ctas, Tensor? row_w=None, Tensor(b!)? dots_part=None, "
+        "Tensor(c!)? act_scaled=None) -> ()");
   m.def("quantize_fp8_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale_t) -> ()");
+  // quantize_fp8_blocks: w [E, N, K] bf16 -> q [E, N, K], qt [E, K, N] (the transposed
+  // layout of the same blocks), scale [E, N / 128, K / 128] (128 x 128 blocks).
+  m.def("quantize_fp8_blocks(Tensor w, Tensor(a!) q, Tensor(b!) qt, Tensor(c!) scale) -> ()");
   // The experts' bias gradients (csrc/gemm/segment_sums.cu): out [E, N] fp32, out[e] = the
   // sum of scale[r] * rows[r] (scale optional) over the rows of segment e below num_rows.
   m.def("segment_column_sums(Tensor rows, Tensor expert_offsets, Tensor num_rows, "

@@ -49,9 +49,10 @@ class MoKConfig:
         GPT-OSS); the reference backend runs them, the kernel backend does not yet.
     fp8: None (BF16) or "blockwise": the routed experts' GEMMs in E4M3 with 1 x 128 / 128 x
         128 FP32 scales (megatron_mok.reference_fp8 states every quantisation point); so
-        far on the reference backend at EP = 1 only (no FP8 kernels yet).
-    fp8_wgrad: "fp8" (the weight gradients' GEMMs in FP8 too, 1 x 128 groups along the
-        tokens) or "bf16".
+        far at EP = 1 (the kernel backend: the launch chain on the FP8 grouped GEMMs).
+    fp8_wgrad: "bf16" (the default: the weight gradients' GEMMs in BF16, as the kernel
+        backend runs them) or "fp8" (in FP8 too, 1 x 128 groups along the tokens; the
+        reference backend only: the FP8 wgrad kernels are not built).
     """
 
     fwd_num_comm_sms: int = 24
@@ -66,7 +67,7 @@ class MoKConfig:
     activation: ExpertActivation = SWIGLU
     expert_bias: bool = False
     fp8: Optional[str] = None
-    fp8_wgrad: str = "fp8"
+    fp8_wgrad: str = "bf16"
 
     def __post_init__(self):
         if not isinstance(self.activation, ExpertActivation):

@@ -92,14 +92,16 @@ def kernel_config_refusal(config) -> Optional[str]:
     """Why the kernel backend cannot run `config` (None: it can). It runs GLU experts of
     silu or quick_gelu (SwiGLU; GPT-OSS's clamped GLU with its linear offset) and non-gated
     experts of every function of the spec (squared-ReLU, GeLU, ...), with or without
-    expert biases, in BF16."""
+    expert biases, in BF16; and blockwise FP8 with BF16 weight gradients (check_fp8_pass
+    says which layers)."""
     if not config.activation.kernel_runs:
         return (f"the kernel backend runs GLU experts of silu or quick_gelu (clamped or not) "
                 f"and non-gated experts, not {config.activation.describe()}; use "
                 f"backend='reference' (--mok-backend reference), or SwiGLU experts (--swiglu)")
-    if config.fp8:
-        return ("the kernel backend has no FP8 GEMMs yet; use backend='reference' "
-                "(--mok-backend reference), or BF16 (no --mok-fp8 / --fp8-format)")
+    if config.fp8 and config.fp8_wgrad != "bf16":
+        return ("the kernel backend's FP8 runs the weight gradients in BF16 (its FP8 wgrad "
+                "GEMMs are not built): pass --mok-fp8-wgrad bf16 (MoKConfig.fp8_wgrad='bf16'), "
+                "or backend='reference' (--mok-backend reference) for FP8 weight gradients")
     return None
 
 

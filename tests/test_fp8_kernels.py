@@ -144,3 +144,46 @@ def test_bad_inputs_raise_before_any_launch():
         f8.quantize_weight(torch.zeros(2, 100, 256))
     with pytest.raises(ValueError, match=r"\[E, N, K\]"):
         f8.quantize_weight(torch.zeros(100, 256))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 128, 256), (4, 768, 2048), (2, 4096, 1024)])
+def test_quantize_weights_bits_match_the_spec_in_both_layouts(shape):
+    w = rand_bf16(*shape, seed=13, scale=0.05)
+    w[0, :128, :128] = 0  # an all-zero block: scale 1
+    got = f8.quantize_weights(w)
+    ref = f8.quantize_weight(w)
+    assert torch.equal(_bits(got.q), _bits(ref.data))
+    assert torch.equal(got.scale, ref.scale)
+    assert torch.equal(_bits(got.qt), _bits(ref.data.transpose(1, 2).contiguous()))
+    assert torch.equal(got.scale_t, ref.scale.transpose(1, 2))
+    ref_t = quantize_blockwise(w.transpose(1, 2), block_rows=128)  # the transpose's own blocks
+    assert torch.equal(_bits(got.qt), _bits(ref_t.data))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+def test_fp8_dgrad_swiglu_routed_matches_fp32(routing):
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    E, hidden, inter = len(offs) - 1, 1024, 384
+    dy = rand_bf16(capacity, hidden, seed=14, real=real)
+    h = rand_bf16(capacity, 2 * inter, seed=15, scale=2.0)
+    row_w = torch.rand(capacity, generator=torch.Generator().manual_seed(16)).cuda()
+    row_w[~real.cuda()] = 0
+    w2 = f8.quantize_weights(rand_bf16(E, hidden, inter, seed=17, scale=inter ** -0.5))
+    dyq, dys = f8.quantize_rows(dy)
+    d_h, dots_part, act_scaled = f8.dgrad_swiglu_routed(dyq, dys, row_w, w2, h, offsets,
+                                                        num_rows)
+    w2t = BlockwiseFP8Tensor(w2.qt, w2.scale_t, 128)
+    for e, lo, hi in segments(offs):
+        acc = blockwise_matmul_reference(_rows_as_blockwise(dyq, dys, lo, hi),
+                                         _weight_slice(w2t, e))
+        g, u = h[lo:hi].float().chunk(2, dim=1)
+        sig = torch.sigmoid(g)
+        act = g * sig * u
+        w = row_w[lo:hi, None]
+        d_act = w * acc
+        d_ref = torch.cat([d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig], dim=1)
+        assert rel_l2(d_h[lo:hi].float(), d_ref) < GEMM_TOL, e
+        assert rel_l2(act_scaled[lo:hi].float(), w * act) < GEMM_TOL, e
+        assert rel_l2(dots_part[lo:hi].sum(1), (acc * act).sum(1)) < GEMM_TOL, e

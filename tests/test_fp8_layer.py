@@ -4,6 +4,7 @@ bit for bit, forward and backward; the shared expert stays BF16; MokMoELayer tak
 --mok-fp8 or Megatron's --fp8-format e4m3 --fp8-recipe blockwise; what the spec does not
 cover yet is refused, saying what to pass."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -70,8 +71,9 @@ def test_what_fp8_does_not_cover_yet_is_refused():
     with pytest.raises(ValueError, match="without biases.*--disable-bias-linear"):
         check_fp8_pass(FP8, ep_size=1, hidden=256, inter=128, biases=True)
     check_fp8_pass(MoKConfig(), ep_size=8, hidden=8, inter=8, biases=True)  # BF16: no limits
-    with pytest.raises(ValueError, match="no FP8 GEMMs.*--mok-backend reference"):
-        check_kernel_config(FP8)
+    with pytest.raises(ValueError, match="--mok-fp8-wgrad bf16.*--mok-backend reference"):
+        check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="fp8"))
+    check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="bf16"))  # the kernels' FP8
     with pytest.raises(RuntimeError, match="not available"):
         resolve_backend(MoKConfig(backend="kernel", fp8="blockwise"), torch.device("cpu"))
     with pytest.raises(ValueError, match="MXFP8 is Blackwell's"):

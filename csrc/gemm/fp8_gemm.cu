@@ -25,6 +25,7 @@ using namespace gemm_host;
 
 using CfgFp8Rows = Fp8GemmConfig<Epi::kStore>;
 using CfgFp8Fc1SwiGLU = Fp8GemmConfig<Epi::kSwiGLU>;
+using CfgFp8DgradSwiGLU = Fp8GemmConfig<Epi::kSwiGLUBwd>;
 
 constexpr int kGroup = 128;  // the recipe's group: 1 x 128 (activations), 128 x 128 (weights)
 
@@ -155,6 +156,41 @@ void grouped_fp8_fc1_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scale_
                               h.has_value() ? halves_view(*h) : act_view, max_ctas);
 }
 
+// d_h [rows, 2I] bf16 = SwiGLU'(h) * w * (dq(dy) @ dq(w2t[e])^T): dy [rows, H] E4M3 with
+// dy_scale_t [H / 128, >= rows], w2t [E, I, H] E4M3 (w2 transposed, quantised in 128 x 128
+// blocks along H) with w2t_scale [E, I / 128, H / 128]; h [rows, 2I] bf16. row_w,
+// dots_part [rows, I / 128], act_scaled [rows, I] as grouped_dgrad_swiglu's (together).
+void grouped_fp8_dgrad_swiglu_cuda(const at::Tensor& dy, const at::Tensor& dy_scale_t,
+                                   const at::Tensor& w2t, const at::Tensor& w2t_scale,
+                                   const at::Tensor& offsets, const at::Tensor& num_rows,
+                                   const at::Tensor& h, const at::Tensor& d_h, int64_t max_ctas,
+                                   const std::optional<at::Tensor>& row_w,
+                                   const std::optional<at::Tensor>& dots_part,
+                                   const std::optional<at::Tensor>& act_scaled) {
+  check_fp8_cuda(dy, "dy_rows", 2);
+  check_fp8_cuda(w2t, "w2t", 3);
+  check_bf16_cuda(h, "h", 2);
+  check_bf16_cuda(d_h, "d_h", 2);
+  const int64_t R = dy.size(0), H = dy.size(1), E = w2t.size(0), I = w2t.size(1);
+  TORCH_CHECK(w2t.size(2) == H, "megatron_mok: w2t must be [E, I, H] (w2 transposed)");
+  TORCH_CHECK(H % kGroup == 0 && I % kGroup == 0,
+              "megatron_mok: blockwise FP8 needs H and I to be multiples of 128, got H = ", H,
+              ", I = ", I);
+  TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
+  TORCH_CHECK(h.size(0) == R && h.size(1) == 2 * I && d_h.sizes() == h.sizes(),
+              "megatron_mok: h and d_h must be [rows, 2I]");
+  check_a_scale(dy_scale_t, H, R);
+  check_f32_cuda(w2t_scale, "w2t_scale", {E, I / kGroup, H / kGroup});
+  c10::cuda::CUDAGuard guard(dy.device());
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8DgradSwiGLU::BN);
+  p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
+  set_row_scale(p, row_w, dots_part, act_scaled, R, I, dy.device());
+  const Fp8Scales s{dy_scale_t.data_ptr<float>(), dy_scale_t.stride(0),
+                    w2t_scale.data_ptr<float>(), int(I / kGroup), int(H / kGroup), 0};
+  launch_fp8<CfgFp8DgradSwiGLU>(p, s, dy, int(R), int(H), w2t, int(I), int(H), int(E),
+                                rows_view(d_h), halves_view(d_h), max_ctas);
+}
+
 // 1 x 128 quantisation of bf16 rows, as megatron_mok.fp8_formats.quantize_blockwise: per
 // group scale = amax / 448 (1 for an all-zero group), q = rne_e4m3(x / scale) saturated
 // (IEEE division, so the bits are the reference's). One warp per (row, group), 4 values a
@@ -206,12 +242,105 @@ void quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& q, const at::
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// 128 x 128 block quantisation of expert weights, as quantize_blockwise(w, block_rows=128):
+// one CTA per block (256 threads, 64 values each), q [E, N, K] and its transpose qt
+// [E, K, N] (the dgrads' layout: the same blocks, so the same scales), scale [E, N / 128,
+// K / 128]. The transpose goes through shared memory so both stores are coalesced.
+__global__ void quantize_fp8_blocks_kernel(const __nv_bfloat16* __restrict__ w,
+                                           __nv_fp8_storage_t* __restrict__ q,
+                                           __nv_fp8_storage_t* __restrict__ qt,
+                                           float* __restrict__ scale, int n, int k) {
+  __shared__ float warp_max[8];
+  __shared__ __nv_fp8_storage_t tile[128][128 + 4];
+  const int nb = n / kGroup, kb = k / kGroup;
+  const int e = blockIdx.x / (nb * kb), bn = (blockIdx.x / kb) % nb, bk = blockIdx.x % kb;
+  const __nv_bfloat16* src = w + (int64_t(e) * n + bn * kGroup) * k + bk * kGroup;
+  // Thread t holds row t / 2, columns 64 (t % 2) .. + 64: eight 16-byte loads.
+  const int row = threadIdx.x / 2, col0 = (threadIdx.x % 2) * 64;
+  float v[64];
+  CUTE_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src + int64_t(row) * k + col0 + 8 * j);
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    CUTE_UNROLL
+    for (int p = 0; p < 4; ++p) {
+      const float2 f = __bfloat1622float2(pairs[p]);
+      v[8 * j + 2 * p] = f.x;
+      v[8 * j + 2 * p + 1] = f.y;
+    }
+  }
+  float amax = 0.f;
+  CUTE_UNROLL
+  for (int i = 0; i < 64; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+  CUTE_UNROLL
+  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
+  const float s = amax > 0.f ? amax / 448.f : 1.f;
+  __nv_fp8_storage_t* dst = q + (int64_t(e) * n + bn * kGroup + row) * k + bk * kGroup + col0;
+  CUTE_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    uint32_t packed[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int i = 8 * j + 4 * h;
+      const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(v[i] / s, v[i + 1] / s), __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(v[i + 2] / s, v[i + 3] / s), __NV_SATFINITE, __NV_E4M3);
+      packed[h] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+    *reinterpret_cast<uint2*>(dst + 8 * j) = make_uint2(packed[0], packed[1]);
+    CUTE_UNROLL
+    for (int b = 0; b < 8; ++b) tile[row][col0 + 8 * j + b] = (packed[b / 4] >> (8 * (b % 4))) & 0xff;
+  }
+  if (threadIdx.x == 0) scale[(int64_t(e) * nb + bn) * kb + bk] = s;
+  __syncthreads();
+  // qt rows are K: thread t writes row t / 2 of the transposed block (columns = N).
+  __nv_fp8_storage_t* dst_t = qt + (int64_t(e) * k + bk * kGroup + row) * n + bn * kGroup + col0;
+  CUTE_UNROLL
+  for (int j = 0; j < 16; ++j) {
+    uint32_t word = 0;
+    CUTE_UNROLL
+    for (int b = 0; b < 4; ++b) word |= uint32_t(tile[col0 + 4 * j + b][row]) << (8 * b);
+    *reinterpret_cast<uint32_t*>(dst_t + 4 * j) = word;
+  }
+}
+
+void quantize_fp8_blocks_cuda(const at::Tensor& w, const at::Tensor& q, const at::Tensor& qt,
+                              const at::Tensor& scale) {
+  check_bf16_cuda(w, "w", 3);
+  check_fp8_cuda(q, "q", 3);
+  check_fp8_cuda(qt, "qt", 3);
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  TORCH_CHECK(N % kGroup == 0 && K % kGroup == 0, "megatron_mok: 128 x 128 blocks need both "
+              "weight dims to be multiples of 128, got ", w.sizes());
+  TORCH_CHECK(q.sizes() == w.sizes() && qt.size(0) == E && qt.size(1) == K && qt.size(2) == N,
+              "megatron_mok: q must be [E, N, K] and qt [E, K, N]");
+  check_f32_cuda(scale, "scale", {E, N / kGroup, K / kGroup});
+  c10::cuda::CUDAGuard guard(w.device());
+  const int64_t blocks = E * (N / kGroup) * (K / kGroup);
+  if (blocks == 0) return;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "megatron_mok: too many weight blocks");
+  quantize_fp8_blocks_kernel<<<int(blocks), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
+      reinterpret_cast<__nv_fp8_storage_t*>(q.data_ptr()),
+      reinterpret_cast<__nv_fp8_storage_t*>(qt.data_ptr()), scale.data_ptr<float>(), int(N),
+      int(K));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("grouped_fp8_gemm_rows", &grouped_fp8_gemm_rows_cuda);
   m.impl("grouped_fp8_fc1_swiglu", &grouped_fp8_fc1_swiglu_cuda);
+  m.impl("grouped_fp8_dgrad_swiglu", &grouped_fp8_dgrad_swiglu_cuda);
   m.impl("quantize_fp8_rows", &quantize_fp8_rows_cuda);
+  m.impl("quantize_fp8_blocks", &quantize_fp8_blocks_cuda);
 }
 
 }  // namespace megatron_mok

@@ -11,7 +11,9 @@
 //
 // Everything else is the BF16 core's (tile.cuh): the producer warpgroup's TMA ring, the
 // task decoding and counter scheduler, and the staged epilogues (kStore: bf16 out; kSwiGLU:
-// the 128-column B tile is 64 gate rows + the 64 matching up rows, act and h in bf16). The
+// the 128-column B tile is 64 gate rows + the 64 matching up rows, act and h in bf16;
+// kSwiGLUBwd: d_h from d_act = the accumulators and h read from global memory, with the
+// router weights, <acc, act> and w * act as the BF16 routed dgrad's). The
 // producer also bulk-copies the 128 row scales of A's K tile into the stage (A's scales are
 // stored transposed, [K / 128, rows], so they are one contiguous 512-byte run). A tile has
 // one owner and a fixed K order: the same bits for any grid size or task order.
@@ -41,7 +43,8 @@ struct Fp8TileStorage {
 
 template <Epi kEpi, int kStages = 5>
 struct Fp8GemmConfig {
-  static_assert(kEpi == Epi::kStore || kEpi == Epi::kSwiGLU, "FP8: fc1 + SwiGLU and plain rows");
+  static_assert(kEpi == Epi::kStore || kEpi == Epi::kSwiGLU || kEpi == Epi::kSwiGLUBwd,
+                "FP8: fc1 + SwiGLU, plain rows and the fc2 dgrad + SwiGLU backward");
   static constexpr int BM = 128, BN = 128, BK = 128, Stages = kStages, kCluster = 1;
   static constexpr bool kGlu = false;
   static constexpr int kAct = 0;
@@ -255,6 +258,8 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
     for (int t = next_task(blockIdx.x); t < p.num_tasks; t = next_task(t + gridDim.x)) {
       const Task task = decode_task<Cfg>(p, t, 0);
       if (task.skip) continue;
+      // kSwiGLUBwd reads h from global memory in the epilogue: ask L2 for it first.
+      if constexpr (Cfg::epi == Epi::kSwiGLUBwd) prefetch_h<Cfg>(p, task, ctid);
       const bool has_k = task.k_begin < task.k_end;
       if (has_k) fp8_mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, s, task, es, ring);
       if (task.store) tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h);

@@ -183,8 +183,9 @@ def _resolve_forward_plan(ws, inter: int, config) -> ForwardPlan:
     megakernel where it can run (measured 0.97-1.17x the launch chain's time, 5 of 6
     shapes faster: docs/megakernel.md), otherwise the launch chain. Non-gated experts
     (squared-ReLU, GeLU) always run the launch chain: the megakernels' epilogues are the
-    GLU ones (MOK_FORWARD does not apply to them)."""
-    if not config.activation.gated:
+    GLU ones (MOK_FORWARD does not apply to them); so do FP8 passes (the FP8 GEMMs are not
+    in the megakernels yet)."""
+    if not config.activation.gated or config.fp8:  # FP8: its GEMMs are launches so far
         return ForwardPlan("launches", config.fwd_num_comm_sms, config.minibatch_size)
     path = ("megakernel-spread" if ws.ep_size == 1 and megakernel.runnable(ws.hidden_size)
             else "launches")
@@ -249,9 +250,9 @@ def _resolve_backward_plan(ws, inter: int, config, dtype: torch.dtype,
     """The backward's dgrad path: MOK_BACKWARD (with MOK_BACKWARD_MINIBATCH) if set, else
     the cached plan (config.autotune) where the megakernel can run, else the launch chain
     (the backward megakernel is not yet measured: docs/perf-notes.md). Non-gated experts:
-    the launch chain, whatever MOK_BACKWARD says (as the forward)."""
+    the launch chain, whatever MOK_BACKWARD says (as the forward); FP8 passes too."""
     minibatch = int(knobs.get("MOK_BACKWARD_MINIBATCH"))
-    if config is not None and not config.activation.gated:
+    if config is not None and (not config.activation.gated or config.fp8):
         return BackwardPlan("launches", minibatch)
     if knobs.is_set("MOK_BACKWARD"):
         return BackwardPlan(megakernel.backward_path(ws, dtype, in_place), minibatch)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from megatron_mok import knobs, routing_errors
 from megatron_mok.config import MoKConfig
-from megatron_mok.kernels import autotune, grouped_gemm, megakernel, ops
+from megatron_mok.kernels import autotune, fp8_gemm, grouped_gemm, megakernel, ops
 from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, bias_grads,
                                                dgrad_launches, expert_launches,
                                                fused_wgrad_targets, gather_rows, gemm_core,
@@ -96,8 +96,8 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     inter = w1.shape[1] // activation.fc1_rows_per_inter
     plan = autotune.forward_plan(ws, inter, config)
     fused = gemm_core() == "mok" and plan.path != "launches"
-    if fused and not activation.gated:  # the plans keep them on the chain (autotune)
-        raise RuntimeError("megatron_mok: the forward megakernel runs GLU experts only")
+    if fused and (not activation.gated or config.fp8):  # the plans keep them on the chain
+        raise RuntimeError("megatron_mok: the forward megakernel runs BF16 GLU experts only")
     if ws.ep_size > 1 or not fused:  # the megakernel pulls straight from x at EP = 1
         arena.view("x").copy_(x)
     shared_out = shared_leaves = None
@@ -110,6 +110,7 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     # In place: the combine reads the rows (chain, direct and spread megakernel); comm
     # CTAs push.
     in_place = rows_combine(ws) and (direct or spread or not fused)
+    fp8 = None
     if fused:
         w1, w2 = w1.contiguous(), w2.contiguous()
         x_rows, act, h, y_rows = megakernel.moe_forward(
@@ -118,9 +119,13 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
             minibatch_rows=plan.minibatch_rows, direct=direct, scatter=not in_place,
             b1=b1, b2=b2, glu=activation.kernel_glu)
     else:
+        # FP8: the weights in 128 x 128 blocks, both layouts, on the device per pass (the
+        # backward's dgrads read the transposed ones kept here).
+        fp8 = (fp8_gemm.quantize_weights(w1.contiguous()),
+               fp8_gemm.quantize_weights(w2.contiguous())) if config.fp8 else None
         x_rows, act, h, y_rows = expert_launches(ws, sched, w1, w2, hidden, keep_ctx,
                                                   push=not in_place, activation=activation,
-                                                  b1=b1, b2=b2)
+                                                  b1=b1, b2=b2, fp8=fp8)
     arena.barrier()
     shared_y = None if shared_out is None else shared_out.detach()
     route_row = None
@@ -136,7 +141,8 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h,
                             shared_out, shared_leaves, x.detach(), route_row, config,
                             None if b1 is None else b1.detach(),
-                            None if b2 is None else b2.detach())
+                            None if b2 is None else b2.detach(),
+                            fp8)
     return y, saved
 
 

@@ -8,18 +8,23 @@ row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments 
 128 rows, counts read on the device, outputs caller-given or allocated here, no host sync.
 
     quantize_rows(x)                    x bf16 [R, K] -> (q E4M3 [R, K], scale_t [K/128, R])
-    quantize_weight(w)                  w [E, N, K] -> BlockwiseFP8Tensor (128 x 128)
+    quantize_weight(w)                  w [E, N, K] -> BlockwiseFP8Tensor (128 x 128; torch)
+    quantize_weights(w)                 the same on the device, both layouts -> Fp8Weight
     fc1_swiglu(xq, xs, w1q, ...)        act = SwiGLU(dq(x) dq(w1)^T) bf16 (+ h bf16)
     rows_matmul(aq, as_, wq, ...)       out = dq(a) dq(w[e])^T bf16       fc2 forward
+    dgrad_swiglu_routed(dyq, ...)       fc2 dgrad + router weight + SwiGLU backward (FP8)
     expert_forward(x_rows, w1q, w2q)    the FP8 experts' forward chain over the row table
+    expert_dgrad(dy_rows, row_w, ...)   their data gradients (fc2 dgrad, fc1 dgrad)
 
 The GEMMs promote their fp32 partial every 128 of K (docs/fp8.md), so the sums follow a
 fixed order: bitwise deterministic and independent of the grid size, as the BF16 core.
-So far the forward only; the backward and the fused quantisation are not built.
+The weight gradients run on the BF16 core (MoKConfig.fp8_wgrad = "bf16"); the quantisation
+of x, act, dy and d_h is a separate pass over each (not yet fused into the epilogues).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -74,10 +79,42 @@ def quantize_rows(x: torch.Tensor, q: Optional[torch.Tensor] = None,
 
 
 def quantize_weight(w: torch.Tensor) -> BlockwiseFP8Tensor:
-    """Expert weights [E, N, K] in 128 x 128 blocks (N and K multiples of 128)."""
+    """Expert weights [E, N, K] in 128 x 128 blocks (N and K multiples of 128), by the spec's
+    torch quantiser (it checks the values for inf / nan: a host sync; the passes use
+    quantize_weights)."""
     if w.dim() != 3:
         raise ValueError(f"expert weights must be [E, N, K], got shape {tuple(w.shape)}")
     return quantize_blockwise(w, block_rows=GROUP_SIZE)
+
+
+@dataclasses.dataclass
+class Fp8Weight:
+    """One expert weight [E, N, K] in 128 x 128 blocks, in both layouts the GEMMs read:
+    `q` [E, N, K] (the forward's: K-major along K) and `qt` [E, K, N] (the dgrad's), with
+    their block scales (`scale` [E, N/128, K/128], `scale_t` its transpose)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    qt: torch.Tensor
+    scale_t: torch.Tensor
+
+    def blockwise(self) -> BlockwiseFP8Tensor:
+        return BlockwiseFP8Tensor(self.q, self.scale, GROUP_SIZE)
+
+
+def quantize_weights(w: torch.Tensor) -> Fp8Weight:
+    """w [E, N, K] bf16 -> Fp8Weight, on the device in one launch (no host sync); the values
+    and scales of `quantize_weight(w)`, and their transposes."""
+    _check(w, "w", torch.bfloat16, 3)
+    _check_multiple("N", w.shape[1])
+    _check_multiple("K", w.shape[2])
+    _check_cuda(w, "w")
+    e, n, k = w.shape
+    q = torch.empty(e, n, k, dtype=FP8, device=w.device)
+    qt = torch.empty(e, k, n, dtype=FP8, device=w.device)
+    scale = torch.empty(e, n // GROUP_SIZE, k // GROUP_SIZE, dtype=torch.float32,
+                        device=w.device)
+    torch.ops.megatron_mok.quantize_fp8_blocks(w, q, qt, scale)
+    return Fp8Weight(q, scale, qt, scale.transpose(1, 2).contiguous())
 
 
 def _check_gemm(aq, a_scale_t, wq, w_scale, expert_offsets, num_rows) -> None:
@@ -132,14 +169,58 @@ def fc1_swiglu(xq: torch.Tensor, x_scale_t: torch.Tensor, w1q: torch.Tensor,
     return act, h
 
 
-def expert_forward(x_rows: torch.Tensor, w1: BlockwiseFP8Tensor, w2: BlockwiseFP8Tensor,
+def dgrad_swiglu_routed(dyq: torch.Tensor, dy_scale_t: torch.Tensor, row_w: torch.Tensor,
+                        w2: Fp8Weight, h: torch.Tensor, expert_offsets: torch.Tensor,
+                        num_rows: torch.Tensor, max_ctas: int = 0
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fc2's dgrad in FP8 with the router weights and the SwiGLU backward in its epilogue, as
+    grouped_gemm.dgrad_swiglu_routed: dy rows (unscaled) quantised 1 x 128 along H, w2's
+    transposed blocks. Returns (d_h [R, 2I] bf16, dots_part [R, I / 128] fp32 (<acc, act>
+    per 128-column tile), act_scaled [R, I] bf16 = row_w * SwiGLU(h))."""
+    _check_gemm(dyq, dy_scale_t, w2.qt, w2.scale_t, expert_offsets, num_rows)
+    rows, inter = dyq.shape[0], w2.qt.shape[1]
+    _check(h, "h", torch.bfloat16, 2)
+    if tuple(h.shape) != (rows, 2 * inter):
+        raise ValueError(f"h must be [{rows}, {2 * inter}], got {tuple(h.shape)}")
+    d_h = torch.empty_like(h)
+    dots_part = torch.empty(rows, inter // GROUP_SIZE, dtype=torch.float32, device=h.device)
+    act_scaled = torch.empty(rows, inter, dtype=torch.bfloat16, device=h.device)
+    torch.ops.megatron_mok.grouped_fp8_dgrad_swiglu(dyq, dy_scale_t, w2.qt, w2.scale_t,
+                                                    expert_offsets, num_rows, h, d_h, max_ctas,
+                                                    row_w, dots_part, act_scaled)
+    return d_h, dots_part, act_scaled
+
+
+def expert_forward(x_rows: torch.Tensor, w1, w2,
                    expert_offsets: torch.Tensor, num_rows: torch.Tensor, save_h: bool = False,
                    max_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The routed experts' forward in FP8 over the row table: x rows quantised 1 x 128, fc1 +
     SwiGLU, act quantised 1 x 128 (from its bf16 rounding: the quantisation is not yet fused
-    into the fc1 epilogue), fc2. Returns (out rows [R, H] bf16, h or None)."""
+    into the fc1 epilogue), fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor. Returns (out rows
+    [R, H] bf16, h or None)."""
+    (w1q, w1s), (w2q, w2s) = (_values_and_scales(w) for w in (w1, w2))
     xq, xs = quantize_rows(x_rows)
-    act, h = fc1_swiglu(xq, xs, w1.data, w1.scale, expert_offsets, num_rows, save_h, max_ctas)
+    act, h = fc1_swiglu(xq, xs, w1q, w1s, expert_offsets, num_rows, save_h, max_ctas)
     aq, as_ = quantize_rows(act)
-    return rows_matmul(aq, as_, w2.data, w2.scale, expert_offsets, num_rows,
-                       max_ctas=max_ctas), h
+    return rows_matmul(aq, as_, w2q, w2s, expert_offsets, num_rows, max_ctas=max_ctas), h
+
+
+def expert_dgrad(dy_rows: torch.Tensor, row_w: torch.Tensor, w1: Fp8Weight, w2: Fp8Weight,
+                 h: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
+                 max_ctas: int = 0):
+    """The FP8 experts' data gradients over the row table: dy rows quantised 1 x 128, fc2
+    dgrad + router weight + SwiGLU backward, d_h quantised 1 x 128 (from its bf16 rounding),
+    fc1 dgrad against w1's transposed blocks. Returns (d_h, dots_part, act_scaled, dx_rows)."""
+    dyq, dys = quantize_rows(dy_rows)
+    d_h, dots_part, act_scaled = dgrad_swiglu_routed(dyq, dys, row_w, w2, h, expert_offsets,
+                                                     num_rows, max_ctas)
+    dhq, dhs = quantize_rows(d_h)
+    dx_rows = rows_matmul(dhq, dhs, w1.qt, w1.scale_t, expert_offsets, num_rows,
+                          max_ctas=max_ctas)
+    return d_h, dots_part, act_scaled, dx_rows
+
+
+def _values_and_scales(w):
+    if isinstance(w, Fp8Weight):
+        return w.q, w.scale
+    return w.data, w.scale

@@ -18,7 +18,7 @@ import torch
 from megatron_mok import knobs
 from megatron_mok.activations import SWIGLU, ExpertActivation, activation_backward
 from megatron_mok.config import MoKConfig
-from megatron_mok.kernels import grouped_gemm, megakernel, ops
+from megatron_mok.kernels import fp8_gemm, grouped_gemm, megakernel, ops
 from megatron_mok.schedule import MoKSchedule
 from megatron_mok.workspace import MoKWorkspace
 
@@ -63,6 +63,7 @@ class KernelSaved:
                                         # the activation)
     b1: Optional[torch.Tensor] = None   # the experts' biases (their gradients' dtype), or None
     b2: Optional[torch.Tensor] = None
+    fp8: Optional[tuple] = None  # FP8 passes: (w1, w2) as fp8_gemm.Fp8Weight, both layouts
 
     @property
     def activation(self) -> ExpertActivation:
@@ -83,7 +84,10 @@ def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: t
     """v1: fc2 dgrad with the router weights and the activation's backward, then fc1 dgrad,
     as separate launches, from the pulled dy rows and their weights."""
     activation = saved.activation
-    if core == "mok" and not activation.gated:
+    if saved.fp8 is not None:  # blockwise FP8 (SwiGLU experts on the core)
+        d_h, dots_part, act_scaled, dx_rows = fp8_gemm.expert_dgrad(
+            dy_rows, row_w, *saved.fp8, saved.h, sched.expert_offsets, sched.num_rows)
+    elif core == "mok" and not activation.gated:
         d_h, dots_part, act_scaled = grouped_gemm.dgrad_act_routed(
             dy_rows, row_w, saved.w2, saved.h, sched.expert_offsets, sched.num_rows, activation)
         dx_rows = grouped_gemm.rows_matmul(d_h, saved.w1, sched.expert_offsets, sched.num_rows,
@@ -106,13 +110,19 @@ def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: t
 
 
 def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool,
-                     push: bool = True, activation: ExpertActivation = SWIGLU, b1=None, b2=None):
+                     push: bool = True, activation: ExpertActivation = SWIGLU, b1=None, b2=None,
+                     fp8: Optional[tuple] = None):
     """v1: pull, fc1 (+ b1, + the activation), fc2 (+ b2) and push (unless the combine
-    reads the rows in place) as separate launches."""
+    reads the rows in place) as separate launches. fp8: (w1, w2) as fp8_gemm.Fp8Weight: the
+    blockwise-FP8 GEMMs (SwiGLU experts; act is then not returned)."""
     arena = ws.arena
     x_rows = w1.new_empty(ws.capacity, hidden)
     ops.pull_rows(arena.peer_base, arena.offset("x"), sched, ws.topk, x_rows)
-    if gemm_core() == "mok":
+    if fp8 is not None:
+        act = None
+        y_rows, h = fp8_gemm.expert_forward(x_rows, *fp8, sched.expert_offsets, sched.num_rows,
+                                            save_h=keep_ctx)
+    elif gemm_core() == "mok":
         w1, w2 = w1.contiguous(), w2.contiguous()
         if activation.gated:
             act, h = grouped_gemm.fc1_swiglu(x_rows, w1, sched.expert_offsets, sched.num_rows,
