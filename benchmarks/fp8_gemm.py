@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch
 from benchmarks import shapes as S
 from benchmarks.gemm import make_case
 from benchmarks.layer import FLUSH_BYTES, PEAK_N, REPO, Timer, measure_dense_peak, rel_l2, run_metadata
+from megatron_mok import knobs
 from megatron_mok.kernels import fp8_gemm as f8
 from megatron_mok.kernels import grouped_gemm as gg
 
@@ -78,10 +80,15 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster", default=None, choices=("1", "2"),
+                   help="MOK_GEMM_CLUSTER for both cores (2: B multicast across CTA pairs)")
     args = p.parse_args(argv)
+    if args.cluster:
+        knobs.set_env("MOK_GEMM_CLUSTER", args.cluster)
     device = torch.device("cuda")
     meta = run_metadata(device, args)
     meta["benchmark"] = "fp8-gemm"
+    meta["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
     meta["peak_tflops"] = peak = measure_dense_peak(device)
     meta["fp8_peak_tflops"] = fp8_peak = measure_fp8_peak(device)
     timer = Timer(device, FLUSH_BYTES)
@@ -117,7 +124,9 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date']}-{meta['gpu_short']}-fp8-gemm-{str(meta.get('git_commit'))[:7]}.json"
+    suffix = "" if meta["gemm_cluster"] == "1" else "-cluster2"
+    path = out / (f"{meta['date']}-{meta['gpu_short']}-fp8-gemm-"
+                  f"{str(meta.get('git_commit'))[:7]}{suffix}.json")
     path.write_text(json.dumps({"benchmark": "fp8-gemm", "meta": meta, "records": records},
                                indent=1))
     print(f"results: {path}")

@@ -101,22 +101,30 @@ def test_expert_forward_matches_the_fp8_spec():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheduler", ["counter", "static"])
-def test_bits_do_not_depend_on_the_grid_or_the_scheduler(scheduler):
+@pytest.mark.parametrize("scheduler, cluster", [("counter", "1"), ("static", "1"), ("static", "2")])
+def test_bits_do_not_depend_on_the_grid_the_scheduler_or_the_cluster(scheduler, cluster):
     offsets, num_rows, capacity, real, offs = row_table(COUNTS["ragged"])
     hidden, inter = 768, 384
     E = len(offs) - 1
     x = rand_bf16(capacity, hidden, seed=8, real=real)
-    w1 = f8.quantize_weight(rand_bf16(E, 2 * inter, hidden, seed=9, scale=hidden ** -0.5))
-    w2 = f8.quantize_weight(rand_bf16(E, hidden, inter, seed=10, scale=inter ** -0.5))
+    w1 = f8.quantize_weights(rand_bf16(E, 2 * inter, hidden, seed=9, scale=hidden ** -0.5))
+    w2 = f8.quantize_weights(rand_bf16(E, hidden, inter, seed=10, scale=inter ** -0.5))
     base, base_h = f8.expert_forward(x, w1, w2, offsets, num_rows, save_h=True)
+    dy = rand_bf16(capacity, hidden, seed=18, real=real)
+    row_w = torch.rand(capacity, generator=torch.Generator().manual_seed(19)).cuda()
+    base_dgrad = f8.expert_dgrad(dy, row_w, w1, w2, base_h, offsets, num_rows)
     knobs.set_env("MOK_GEMM_SCHEDULER", scheduler)
+    knobs.set_env("MOK_GEMM_CLUSTER", cluster)
     try:
-        for ctas in (1, 5, 0):
+        for ctas in (2, 6, 0):
             out, h = f8.expert_forward(x, w1, w2, offsets, num_rows, save_h=True, max_ctas=ctas)
             assert torch.equal(out, base) and torch.equal(h, base_h), ctas
+            dgrad = f8.expert_dgrad(dy, row_w, w1, w2, base_h, offsets, num_rows, max_ctas=ctas)
+            for got, want in zip(dgrad, base_dgrad):
+                assert torch.equal(got, want), ctas
     finally:
         knobs.set_env("MOK_GEMM_SCHEDULER", None)
+        knobs.set_env("MOK_GEMM_CLUSTER", None)
 
 
 @pytest.mark.gpu

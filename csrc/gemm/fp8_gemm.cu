@@ -23,9 +23,13 @@ using gemm::GemmParams;
 using gemm::fp8;
 using namespace gemm_host;
 
-using CfgFp8Rows = Fp8GemmConfig<Epi::kStore>;
-using CfgFp8Fc1SwiGLU = Fp8GemmConfig<Epi::kSwiGLU>;
-using CfgFp8DgradSwiGLU = Fp8GemmConfig<Epi::kSwiGLUBwd>;
+// By cluster size (MOK_GEMM_CLUSTER: 1, or 2 for B multicast across CTA pairs).
+template <int C>
+using CfgFp8Rows = Fp8GemmConfig<Epi::kStore, 5, C>;
+template <int C>
+using CfgFp8Fc1SwiGLU = Fp8GemmConfig<Epi::kSwiGLU, 5, C>;
+template <int C>
+using CfgFp8DgradSwiGLU = Fp8GemmConfig<Epi::kSwiGLUBwd, 5, C>;
 
 constexpr int kGroup = 128;  // the recipe's group: 1 x 128 (activations), 128 x 128 (weights)
 
@@ -65,7 +69,10 @@ template <class Cfg>
 void launch_fp8(GemmParams p, const Fp8Scales& scales, const at::Tensor& a, int a_rows, int a_cols,
                 const at::Tensor& b, int b_n, int b_k, int b_q, const OutView& out,
                 const OutView& h, int64_t max_ctas) {
+  constexpr int C = Cfg::kCluster;
   if (p.num_tasks <= 0 || p.n_tiles <= 0) return;
+  const int m_groups = (p.m_tiles + C - 1) / C;  // tasks: groups of C neighbouring row tiles
+  p.num_tasks = (p.num_tasks / p.m_tiles) * m_groups;
   make_context_current(a);
   auto mA = make_tensor(make_gmem_ptr(reinterpret_cast<const fp8*>(a.data_ptr())),
                         make_shape(a_rows, a_cols), make_stride(int64_t(a_cols), _1{}));
@@ -77,22 +84,60 @@ void launch_fp8(GemmParams p, const Fp8Scales& scales, const at::Tensor& a, int 
                         make_stride(int64_t(b_k), _1{}, int64_t(b_n) * b_k));
   auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
                              Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{});
+  auto tma_b_mc = [&] {
+    if constexpr (C == 1) {
+      return tma_b;
+    } else {
+      return make_tma_atom(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemLayoutBBox{}(_, _, 0),
+                           Shape<Int<Cfg::BN / Cfg::kSplit>, Int<Cfg::BK>>{}, Int<C>{});
+    }
+  }();
   auto tma_o = make_store_atom<Cfg>(out);
   auto tma_h = make_store_atom<Cfg>(h);
-  auto kernel = &gemm::grouped_fp8_kernel<Cfg, decltype(tma_a), decltype(tma_b), decltype(tma_o)>;
+  auto kernel = &gemm::grouped_fp8_kernel<Cfg, decltype(tma_a), decltype(tma_b),
+                                          decltype(tma_b_mc), decltype(tma_o)>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       Cfg::kSmemBytes));
-  at::Tensor counter;
-  if (counter_scheduler()) {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  config.attrs = attr;
+  config.numAttrs = C == 1 ? 0 : 1;
+  static int max_clusters_per_device[64] = {0};  // per instantiation and device
+  int& max_clusters = max_clusters_per_device[a.get_device()];
+  if (max_clusters == 0) {
+    if constexpr (C == 1) {
+      max_clusters = num_sms(a.get_device());
+    } else {
+      config.gridDim = dim3(num_sms(a.get_device()) / C * C);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+      TORCH_CHECK(max_clusters > 0, "megatron_mok: no cluster of ", C, " CTAs fits this GPU");
+    }
+  }
+  at::Tensor counter;  // clusters stride statically
+  if (C == 1 && counter_scheduler()) {
     counter = at::zeros({1}, a.options().dtype(at::kInt));
     p.task_counter = counter.data_ptr<int>();
   }
-  int ctas = std::min(num_sms(a.get_device()), p.num_tasks);
-  if (max_ctas > 0) ctas = std::min<int>(ctas, int(max_ctas));
+  int clusters = std::min(max_clusters, p.num_tasks);
+  if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
+  config.gridDim = dim3(clusters * C);
   const gemm::OperandShapes shapes{a_rows, a_cols, b_n, b_k, b_q};
-  kernel<<<ctas, Cfg::kThreads, Cfg::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(
-      p, scales, tma_a, tma_b, tma_o, tma_h, shapes);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, scales, tma_a, tma_b, tma_b_mc, tma_o,
+                                    tma_h, shapes));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Runs f(Cfg<1>{}) or f(Cfg<2>{}) by MOK_GEMM_CLUSTER.
+template <template <int> class Cfg, class F>
+void with_fp8_cluster(F&& f) {
+  if (cluster_size() == 2) f(Cfg<2>{}); else f(Cfg<1>{});
 }
 
 // out [rows, N] bf16 = dq(a) @ dq(w[e])^T per expert segment: a [rows, K] E4M3 with its
@@ -115,11 +160,13 @@ void grouped_fp8_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& a_scale_t
   check_a_scale(a_scale_t, K, R);
   check_f32_cuda(w_scale, "w_scale", {E, N / kGroup, K / kGroup});
   c10::cuda::CUDAGuard guard(a.device());
-  GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgFp8Rows::BN);
+  GemmParams p = rows_params(offsets, num_rows, R, N, K, CfgFp8Rows<1>::BN);
   const Fp8Scales s{a_scale_t.data_ptr<float>(), a_scale_t.stride(0), w_scale.data_ptr<float>(),
                     int(N / kGroup), int(K / kGroup), 0};
-  launch_fp8<CfgFp8Rows>(p, s, a, int(R), int(K), w, int(N), int(K), int(E), rows_view(out),
-                         rows_view(out), max_ctas);
+  with_fp8_cluster<CfgFp8Rows>([&](auto cfg) {
+    launch_fp8<decltype(cfg)>(p, s, a, int(R), int(K), w, int(N), int(K), int(E), rows_view(out),
+                              rows_view(out), max_ctas);
+  });
 }
 
 // act [rows, I] bf16 = SwiGLU(dq(x) @ dq(w1[e])^T), h [rows, 2I] the pre-activations (bf16,
@@ -143,7 +190,7 @@ void grouped_fp8_fc1_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scale_
   check_a_scale(x_scale_t, H, R);
   check_f32_cuda(w1_scale, "w1_scale", {E, 2 * I / kGroup, H / kGroup});
   c10::cuda::CUDAGuard guard(x.device());
-  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8Fc1SwiGLU::BN / 2);
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8Fc1SwiGLU<1>::BN / 2);
   if (h.has_value()) {
     check_bf16_cuda(*h, "h", 2);
     TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
@@ -152,8 +199,11 @@ void grouped_fp8_fc1_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scale_
   const Fp8Scales s{x_scale_t.data_ptr<float>(), x_scale_t.stride(0), w1_scale.data_ptr<float>(),
                     int(2 * I / kGroup), int(H / kGroup), int(I / kGroup)};
   const OutView act_view = rows_view(act);
-  launch_fp8<CfgFp8Fc1SwiGLU>(p, s, x, int(R), int(H), w1, int(I), int(H), int(2 * E), act_view,
-                              h.has_value() ? halves_view(*h) : act_view, max_ctas);
+  const OutView h_view = h.has_value() ? halves_view(*h) : act_view;
+  with_fp8_cluster<CfgFp8Fc1SwiGLU>([&](auto cfg) {
+    launch_fp8<decltype(cfg)>(p, s, x, int(R), int(H), w1, int(I), int(H), int(2 * E), act_view,
+                              h_view, max_ctas);
+  });
 }
 
 // d_h [rows, 2I] bf16 = SwiGLU'(h) * w * (dq(dy) @ dq(w2t[e])^T): dy [rows, H] E4M3 with
@@ -182,13 +232,15 @@ void grouped_fp8_dgrad_swiglu_cuda(const at::Tensor& dy, const at::Tensor& dy_sc
   check_a_scale(dy_scale_t, H, R);
   check_f32_cuda(w2t_scale, "w2t_scale", {E, I / kGroup, H / kGroup});
   c10::cuda::CUDAGuard guard(dy.device());
-  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8DgradSwiGLU::BN);
+  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8DgradSwiGLU<1>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
   set_row_scale(p, row_w, dots_part, act_scaled, R, I, dy.device());
   const Fp8Scales s{dy_scale_t.data_ptr<float>(), dy_scale_t.stride(0),
                     w2t_scale.data_ptr<float>(), int(I / kGroup), int(H / kGroup), 0};
-  launch_fp8<CfgFp8DgradSwiGLU>(p, s, dy, int(R), int(H), w2t, int(I), int(H), int(E),
-                                rows_view(d_h), halves_view(d_h), max_ctas);
+  with_fp8_cluster<CfgFp8DgradSwiGLU>([&](auto cfg) {
+    launch_fp8<decltype(cfg)>(p, s, dy, int(R), int(H), w2t, int(I), int(H), int(E),
+                              rows_view(d_h), halves_view(d_h), max_ctas);
+  });
 }
 
 // 1 x 128 quantisation of bf16 rows, as megatron_mok.fp8_formats.quantize_blockwise: per

@@ -41,11 +41,15 @@ struct Fp8TileStorage {
   int task_id[2];
 };
 
-template <Epi kEpi, int kStages = 5>
+// kCluster = 2: CTA pairs on neighbouring row tiles of one N tile multicast the B tile when
+// both rows belong to one expert (each CTA loads half of it for both), as the BF16 core's
+// MOK_GEMM_CLUSTER=2: L2->SM bytes per K tile 32 -> 24 KB.
+template <Epi kEpi, int kStages = 5, int kCluster_ = 1>
 struct Fp8GemmConfig {
   static_assert(kEpi == Epi::kStore || kEpi == Epi::kSwiGLU || kEpi == Epi::kSwiGLUBwd,
                 "FP8: fc1 + SwiGLU, plain rows and the fc2 dgrad + SwiGLU backward");
-  static constexpr int BM = 128, BN = 128, BK = 128, Stages = kStages, kCluster = 1;
+  static constexpr int BM = 128, BN = 128, BK = 128, Stages = kStages, kCluster = kCluster_;
+  static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr bool kGlu = false;
   static constexpr int kAct = 0;
   static constexpr Grouping group = Grouping::kRows;
@@ -104,12 +108,14 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
 }
 
 // Producer: one task's K tiles (A box, B boxes, A's 128 row scales) into the ring.
-template <class Cfg, class Storage, class TmaA, class TmaB>
+template <class Cfg, class Storage, class TmaA, class TmaB, class TmaBmc>
 __device__ __forceinline__ void fp8_load_task(Storage& smem, const TmaA& tma_a, const TmaB& tma_b,
-                                              const OperandShapes& shapes, const Fp8Scales& s,
-                                              const Task& task, RingPos& ring) {
+                                              const TmaBmc& tma_b_mc, const OperandShapes& shapes,
+                                              const Fp8Scales& s, const Task& task, int rank,
+                                              RingPos& ring) {
   using namespace cute;
   constexpr int BM = Cfg::BM, BK = Cfg::BK, kSplit = Cfg::kSplit, BNh = Cfg::BN / kSplit;
+  constexpr int C = Cfg::kCluster;
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
   Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg::SmemLayoutA{});
@@ -119,7 +125,9 @@ __device__ __forceinline__ void fp8_load_task(Storage& smem, const TmaA& tma_a, 
   Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
   auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
                                     group_modes<0, 2>(gA));
-  const float* scale_src = s.a_scale_t + int64_t(task.m_tile) * BM;
+  // A cluster's second row tile may lie past the table (its rows are zero-filled and never
+  // stored): its scales are read from the last tile's, inside the allocation.
+  const float* scale_src = s.a_scale_t + int64_t(min(task.m_tile, shapes.a_rows / BM - 1)) * BM;
   for (int k = task.k_begin; k < task.k_end; ++k) {
     EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
     FullBar::arrive_and_expect_tx(&smem.full[ring.stage], Cfg::kTxBytes);
@@ -128,9 +136,16 @@ __device__ __forceinline__ void fp8_load_task(Storage& smem, const TmaA& tma_a, 
     for (int h = 0; h < kSplit; ++h) {
       Tensor gB = local_tile(mB(_, _, task.expert * kSplit + h), Shape<Int<BNh>, Int<BK>>{},
                              make_coord(task.n_tile, _));
-      auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBbox),
-                                        group_modes<0, 2>(gB));
-      copy(tma_b.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
+      if (C == 2 && task.share_b) {  // this CTA's half of the box, to both CTAs
+        auto [tBgB, tBsB] = tma_partition(tma_b_mc, rank, Layout<Int<C>>{},
+                                          group_modes<0, 2>(sBbox), group_modes<0, 2>(gB));
+        copy(tma_b_mc.with(smem.full[ring.stage], uint16_t((1 << C) - 1)), tBgB(_, k),
+             tBsB(_, ring.stage * kSplit + h));
+      } else {
+        auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
+                                          group_modes<0, 2>(sBbox), group_modes<0, 2>(gB));
+        copy(tma_b.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage * kSplit + h));
+      }
     }
     bulk_copy_g2s(smem.a_scale[ring.stage], scale_src + int64_t(k) * s.a_scale_ld,
                   Cfg::kScaleBytes, &smem.full[ring.stage]);
@@ -185,7 +200,12 @@ __device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, Frag
     warpgroup_wait<0>();
     warpgroup_fence_operand(part);
     compiler_fence();
-    EmptyBar::arrive(&smem.empty[ring.stage]);
+    if constexpr (Cfg::kCluster == 1) {
+      EmptyBar::arrive(&smem.empty[ring.stage]);
+    } else {  // one thread of this warpgroup per CTA of the cluster (both refill the stage)
+      EmptyBar::arrive(&smem.empty[ring.stage], uint32_t(es.wg_thread),
+                       es.wg_thread < Cfg::kCluster);
+    }
     ring.advance<Cfg::Stages>();
     const float s_lo[2] = {a0 * b_lo, a1 * b_lo}, s_hi[2] = {a0 * b_hi, a1 * b_hi};
     CUTE_UNROLL
@@ -198,27 +218,36 @@ __device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, Frag
 
 // The standalone FP8 grouped-GEMM kernel (kRows; clusters of 1). Tasks from the global
 // counter (task_counter set) or static striding, as the BF16 kernel.
-template <class Cfg, class TmaA, class TmaB, class TmaO>
+template <class Cfg, class TmaA, class TmaB, class TmaBmc, class TmaO>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
 grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__ Fp8Scales s,
                    const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaB tma_b,
-                   const __grid_constant__ TmaO tma_o, const __grid_constant__ TmaO tma_h,
-                   const OperandShapes shapes) {
+                   const __grid_constant__ TmaBmc tma_b_mc, const __grid_constant__ TmaO tma_o,
+                   const __grid_constant__ TmaO tma_h, const OperandShapes shapes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace cute;
   using Storage = typename Cfg::SharedStorage;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<Storage*>(smem_raw);
+  constexpr int C = Cfg::kCluster;
   const int warpgroup = threadIdx.x / 128;
+  const int rank = C == 1 ? 0 : int(cute::block_rank_in_cluster());
+  const int cluster = blockIdx.x / C, num_clusters = gridDim.x / C;
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(tma_a.get_tma_descriptor());
     prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+    if constexpr (C == 2) prefetch_tma_descriptor(tma_b_mc.get_tma_descriptor());
     prefetch_tma_descriptor(tma_o.get_tma_descriptor());
     prefetch_tma_descriptor(tma_h.get_tma_descriptor());
     init_tile_barriers<Cfg>(smem);
   }
-  __syncthreads();
-  const bool counter = p.task_counter != nullptr;
+  if constexpr (C == 1) {
+    __syncthreads();
+  } else {
+    cute::cluster_arrive_relaxed();
+    cute::cluster_wait();
+  }
+  const bool counter = C == 1 && p.task_counter != nullptr;
   TaskQueue<Storage> queue{smem};
 
   if (warpgroup == 0) {
@@ -231,10 +260,10 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
         return t;
       };
       RingPos ring;
-      for (int t = next_task(blockIdx.x); t < p.num_tasks; t = next_task(t + gridDim.x)) {
-        const Task task = decode_task<Cfg>(p, t, 0);
+      for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
+        const Task task = decode_task<Cfg>(p, t, rank);
         if (task.skip || task.k_begin >= task.k_end) continue;
-        fp8_load_task<Cfg>(smem, tma_a, tma_b, shapes, s, task, ring);
+        fp8_load_task<Cfg>(smem, tma_a, tma_b, tma_b_mc, shapes, s, task, rank, ring);
       }
     }
   } else {
@@ -255,8 +284,8 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
     EpilogueState es{wg, ctid % 128, int(get<0>(tCcD(0))) - 64 * wg, int(get<1>(tCcD(0))), 0};
     auto next_task = [&](int t_static) { return counter ? queue.pop() : t_static; };
     RingPos ring;
-    for (int t = next_task(blockIdx.x); t < p.num_tasks; t = next_task(t + gridDim.x)) {
-      const Task task = decode_task<Cfg>(p, t, 0);
+    for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
+      const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip) continue;
       // kSwiGLUBwd reads h from global memory in the epilogue: ask L2 for it first.
       if constexpr (Cfg::epi == Epi::kSwiGLUBwd) prefetch_h<Cfg>(p, task, ctid);
@@ -265,6 +294,12 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
       if (task.store) tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h);
     }
     if (es.wg_thread == 0) tma_store_wait<0>();
+  }
+  // A CTA of a cluster stays until its peer no longer multicasts into its shared memory or
+  // arrives on its barriers.
+  if constexpr (C == 2) {
+    __syncwarp();
+    cute::cluster_sync();
   }
 #endif
 }
