@@ -324,7 +324,9 @@ class MokBackend(Backend):
         self.config = MoKConfig(backend=mok_backend, activation=S.activation_of(activation),
                                 expert_bias=weights.b1 is not None,
                                 fp8="blockwise" if fp8 else None, fp8_wgrad="bf16")
-        if fp8:
+        if fp8:  # the kernel backend's FP8 path is opt-in
+            from megatron_mok import knobs
+            knobs.set_env("MOK_FP8_KERNELS", "1")
             self.name = "mok-fp8"
         self.resolved = functional.resolve_backend(self.config, torch.device(device),
                                                    weights.w1.dtype)

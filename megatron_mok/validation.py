@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_mok import knobs
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -98,6 +100,10 @@ def kernel_config_refusal(config) -> Optional[str]:
         return (f"the kernel backend runs GLU experts of silu or quick_gelu (clamped or not) "
                 f"and non-gated experts, not {config.activation.describe()}; use "
                 f"backend='reference' (--mok-backend reference), or SwiGLU experts (--swiglu)")
+    if config.fp8 and knobs.get("MOK_FP8_KERNELS") != "1":
+        return ("the kernel backend's FP8 path is experimental and opt-in: set "
+                "MOK_FP8_KERNELS=1 to run it (weight gradients in BF16), or run the spec "
+                "(backend='reference', --mok-backend reference), or BF16 (no --mok-fp8)")
     if config.fp8 and config.fp8_wgrad != "bf16":
         return ("the kernel backend's FP8 runs the weight gradients in BF16 (its FP8 wgrad "
                 "GEMMs are not built): pass --mok-fp8-wgrad bf16 (MoKConfig.fp8_wgrad='bf16'), "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mok import activations as A
+from megatron_mok import knobs
 from megatron_mok import functional as mok
 from megatron_mok import reference, reference_fp8
 from megatron_mok.backend_choice import resolve_backend
@@ -71,9 +72,15 @@ def test_what_fp8_does_not_cover_yet_is_refused():
     with pytest.raises(ValueError, match="without biases.*--disable-bias-linear"):
         check_fp8_pass(FP8, ep_size=1, hidden=256, inter=128, biases=True)
     check_fp8_pass(MoKConfig(), ep_size=8, hidden=8, inter=8, biases=True)  # BF16: no limits
-    with pytest.raises(ValueError, match="--mok-fp8-wgrad bf16.*--mok-backend reference"):
-        check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="fp8"))
-    check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="bf16"))  # the kernels' FP8
+    with pytest.raises(ValueError, match="opt-in: set MOK_FP8_KERNELS=1.*--mok-backend reference"):
+        check_kernel_config(FP8)
+    knobs.set_env("MOK_FP8_KERNELS", "1")
+    try:
+        with pytest.raises(ValueError, match="--mok-fp8-wgrad bf16.*--mok-backend reference"):
+            check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="fp8"))
+        check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="bf16"))  # the kernels' FP8
+    finally:
+        knobs.set_env("MOK_FP8_KERNELS", None)
     with pytest.raises(RuntimeError, match="not available"):
         resolve_backend(MoKConfig(backend="kernel", fp8="blockwise"), torch.device("cpu"))
     with pytest.raises(ValueError, match="MXFP8 is Blackwell's"):

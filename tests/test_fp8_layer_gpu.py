@@ -7,11 +7,20 @@ import pytest
 import torch
 
 from megatron_mok import functional as mok
+from megatron_mok import knobs
 from megatron_mok.config import MoKConfig
 from megatron_mok.reference import rel_l2
 from moe_inputs import make_moe_inputs
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def fp8_kernels_on():
+    """The kernel backend's FP8 path is opt-in (MOK_FP8_KERNELS=1)."""
+    knobs.set_env("MOK_FP8_KERNELS", "1")
+    yield
+    knobs.set_env("MOK_FP8_KERNELS", None)
 
 FP8_KERNEL = MoKConfig(backend="kernel", fp8="blockwise", fp8_wgrad="bf16")
 FP8_SPEC = MoKConfig(backend="reference", fp8="blockwise", fp8_wgrad="bf16")

@@ -86,7 +86,7 @@ def test_comm_sms_must_leave_compute_sms():
 @pytest.mark.parametrize("config, match", [
     (MoKConfig(backend="kernel", activation=ExpertActivation("gelu", gated=True)),
      "GLU experts of silu or quick_gelu"),
-    (MoKConfig(backend="kernel", fp8="blockwise", fp8_wgrad="fp8"), "FP8 wgrad GEMMs are not built"),
+    (MoKConfig(backend="kernel", fp8="blockwise"), "opt-in: set MOK_FP8_KERNELS=1"),
 ])
 def test_kernel_backend_refuses_what_it_cannot_run_even_where_it_loads(monkeypatch, config,
                                                                        match):
@@ -106,7 +106,7 @@ def test_kernel_backend_refuses_what_it_cannot_run_even_where_it_loads(monkeypat
 
 
 def test_a_kernel_pass_checks_its_own_config():
-    """A pass whose config asks for what the kernel cannot run (FP8 wgrad here) on a kernel
+    """A pass whose config asks for what the kernel does not run by default (FP8 here) on a kernel
     workspace raises before any launch, not a silent BF16 pass."""
     import dataclasses
 
@@ -118,6 +118,6 @@ def test_a_kernel_pass_checks_its_own_config():
     sched = mok.build_schedule(ws, reference_config, inputs["topk_idx"])
     kernel_ws = dataclasses.replace(ws, arena=object())  # never reached: refused first
     fp8 = MoKConfig(backend="reference", fp8="blockwise", fp8_wgrad="fp8")
-    with pytest.raises(ValueError, match="FP8 wgrad GEMMs are not built"):
+    with pytest.raises(ValueError, match="opt-in: set MOK_FP8_KERNELS=1"):
         mok.forward(fp8, kernel_ws, sched, inputs["x"], inputs["topk_w"], inputs["w1"],
                     inputs["w2"])
