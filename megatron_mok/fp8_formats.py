@@ -362,8 +362,9 @@ def _blockwise_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     data is zeros, any scale reproduces it)."""
     if pow2:
         scale = _pow2_f32(_block_exponent(amax))
-    else:
-        scale = amax / E4M3_MAX
+    else:  # a true fp32 division on every device (torch turns x / python_scalar into a
+        # multiplication by its reciprocal on CUDA, which is off by an ulp at times)
+        scale = amax / torch.full_like(amax, E4M3_MAX)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 

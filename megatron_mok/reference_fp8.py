@@ -4,7 +4,8 @@ explicit (docs/fp8.md).
 Forward, per expert e (rows of the tokens routed to it):
     x        quantised once per token, 1 x 128 groups along H (fc1's K)
     w1, w2   quantised in 128 x 128 blocks along their K (H for fc1, I for fc2)
-    h        = dq(x) @ dq(w1)^T in fp32; act = SwiGLU(h) in fp32
+    h        = dq(x) @ dq(w1)^T in fp32; act = SwiGLU(h) in fp32, rounded to the
+             activation dtype (the tensor between the two GEMMs, as with unfused quantisers)
     act      quantised 1 x 128 along I (fc2's K)
     out      = dq(act) @ dq(w2)^T in fp32, rounded to bf16 per row
     y[t]     = shared(x_t) (BF16, as in MoK: FP8 there hurt stability)
@@ -16,7 +17,8 @@ Backward (each GEMM's own quantisation of its operands):
     wgrad    "fp8": both operands quantised 1 x 128 along the tokens (each expert's rows
              padded with zeros to a multiple of 128, which adds nothing); "bf16": the
              operands as bf16, fp32 accumulation
-    SwiGLU backward and the routing-weight gradient in fp32.
+    SwiGLU backward and the routing-weight gradient in fp32; the SwiGLU backward's output
+    d_h is rounded to the activation dtype before fc1's dgrad quantises it.
 The weights are quantised from their bf16 values at every call here; the kernels quantise
 them once per optimizer step, the same values.
 """
@@ -50,6 +52,19 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
 
 
+class _RoundGrad(torch.autograd.Function):
+    """Identity in forward; the gradient rounded to `dtype` (and back) in backward."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.dtype = dtype
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).to(grad.dtype), None
+
+
 class _FP8Linear(torch.autograd.Function):
     """out [M, N] fp32 = dq(q(a)) @ dq(q(w))^T for a [M, K] (1 x 128), w [N, K] (128 x 128),
     with the backward's quantisation points of the module docstring."""
@@ -78,8 +93,8 @@ def fp8_expert(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, dtype: to
                pow2_scales: bool = False, wgrad: str = "fp8") -> torch.Tensor:
     """One SwiGLU expert in blockwise FP8: rows [M, H] -> out [M, H] (rounded to dtype,
     held in fp32)."""
-    h = _FP8Linear.apply(rows, w1, pow2_scales, wgrad)
-    act = SWIGLU(h)
+    h = _RoundGrad.apply(_FP8Linear.apply(rows, w1, pow2_scales, wgrad), dtype)
+    act = round_to(SWIGLU(h), dtype)
     out = _FP8Linear.apply(act, w2, pow2_scales, wgrad)
     return round_to(out, dtype)
 

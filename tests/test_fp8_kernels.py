@@ -109,6 +109,7 @@ def test_bits_do_not_depend_on_the_grid_the_scheduler_or_the_cluster(scheduler, 
     x = rand_bf16(capacity, hidden, seed=8, real=real)
     w1 = f8.quantize_weights(rand_bf16(E, 2 * inter, hidden, seed=9, scale=hidden ** -0.5))
     w2 = f8.quantize_weights(rand_bf16(E, hidden, inter, seed=10, scale=inter ** -0.5))
+    used = offs[-1]  # rows past the table's segments are never written
     base, base_h = f8.expert_forward(x, w1, w2, offsets, num_rows, save_h=True)
     dy = rand_bf16(capacity, hidden, seed=18, real=real)
     row_w = torch.rand(capacity, generator=torch.Generator().manual_seed(19)).cuda()
@@ -118,10 +119,11 @@ def test_bits_do_not_depend_on_the_grid_the_scheduler_or_the_cluster(scheduler, 
     try:
         for ctas in (2, 6, 0):
             out, h = f8.expert_forward(x, w1, w2, offsets, num_rows, save_h=True, max_ctas=ctas)
-            assert torch.equal(out, base) and torch.equal(h, base_h), ctas
+            assert torch.equal(out[:used], base[:used]), ctas
+            assert torch.equal(h[:used], base_h[:used]), ctas
             dgrad = f8.expert_dgrad(dy, row_w, w1, w2, base_h, offsets, num_rows, max_ctas=ctas)
             for got, want in zip(dgrad, base_dgrad):
-                assert torch.equal(got, want), ctas
+                assert torch.equal(got[:used], want[:used]), ctas
     finally:
         knobs.set_env("MOK_GEMM_SCHEDULER", None)
         knobs.set_env("MOK_GEMM_CLUSTER", None)
