@@ -197,3 +197,23 @@ def test_fp8_dgrad_swiglu_routed_matches_fp32(routing):
         assert rel_l2(d_h[lo:hi].float(), d_ref) < GEMM_TOL, e
         assert rel_l2(act_scaled[lo:hi].float(), w * act) < GEMM_TOL, e
         assert rel_l2(dots_part[lo:hi].sum(1), (acc * act).sum(1)) < GEMM_TOL, e
+
+
+@pytest.mark.gpu
+def test_gathered_quantized_rows_are_the_rows_quantised():
+    """x quantised per token and gathered = the gathered bf16 rows quantised, bit for bit
+    (padding rows: zeros with scale 1)."""
+    g = torch.Generator().manual_seed(20)
+    tokens, hidden, capacity = 200, 512, 640
+    x = rand_bf16(tokens, hidden, seed=21)
+    peer_token = torch.randint(0, tokens, (capacity,), generator=g).int()
+    peer_rank = torch.zeros(capacity, dtype=torch.int32)
+    pad = torch.rand(capacity, generator=g) < 0.2
+    peer_token[pad], peer_rank[pad] = -1, -1
+    peer_token, peer_rank = peer_token.cuda(), peer_rank.cuda()
+    rows, scale_t = f8.gather_quantized_rows(x, peer_rank, peer_token)
+    x_rows = torch.where((peer_rank >= 0).unsqueeze(1), x[peer_token.clamp(min=0).long()],
+                         torch.zeros((), dtype=x.dtype, device="cuda"))
+    want_q, want_s = f8.quantize_rows(x_rows)
+    assert torch.equal(_bits(rows), _bits(want_q))
+    assert torch.equal(scale_t, want_s)

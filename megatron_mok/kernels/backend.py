@@ -98,7 +98,8 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
     fused = gemm_core() == "mok" and plan.path != "launches"
     if fused and (not activation.gated or config.fp8):  # the plans keep them on the chain
         raise RuntimeError("megatron_mok: the forward megakernel runs BF16 GLU experts only")
-    if ws.ep_size > 1 or not fused:  # the megakernel pulls straight from x at EP = 1
+    # The megakernel pulls straight from x at EP = 1; so does the FP8 chain (E4M3 rows).
+    if ws.ep_size > 1 or not (fused or config.fp8):
         arena.view("x").copy_(x)
     shared_out = shared_leaves = None
     if shared_w1 is not None:  # independent of the peers: runs before the barrier
@@ -125,7 +126,9 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
                fp8_gemm.quantize_weights(w2.contiguous())) if config.fp8 else None
         x_rows, act, h, y_rows = expert_launches(ws, sched, w1, w2, hidden, keep_ctx,
                                                   push=not in_place, activation=activation,
-                                                  b1=b1, b2=b2, fp8=fp8)
+                                                  b1=b1, b2=b2, fp8=fp8,
+                                                  x=x if fp8 is not None and ws.ep_size == 1
+                                                  else None)
     arena.barrier()
     shared_y = None if shared_out is None else shared_out.detach()
     route_row = None
@@ -214,7 +217,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
     arena.barrier()
     zero_dropped_routes(ws, sched)
-    if saved.x_rows is None:  # the direct megakernel gathered x on the fly
+    if saved.x_rows is None:  # the direct megakernel or the FP8 chain gathered x on the fly
         saved.x_rows = gather_rows(saved.x, sched)
     wgrad = fused_wgrad_targets(saved, acc1, acc2) if fused else None
     grads = data_gradients(ws, sched, saved, dy, fused, plan.minibatch_rows, wgrad)

@@ -191,15 +191,32 @@ def dgrad_swiglu_routed(dyq: torch.Tensor, dy_scale_t: torch.Tensor, row_w: torc
     return d_h, dots_part, act_scaled
 
 
-def expert_forward(x_rows: torch.Tensor, w1, w2,
+def gather_quantized_rows(x: torch.Tensor, peer_rank: torch.Tensor, peer_token: torch.Tensor
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """EP = 1: x [T, H] bf16 quantised once per token, then its E4M3 rows and scales gathered
+    into row-table order (row j = token peer_token[j]; padding rows, peer_rank < 0, are zeros
+    with scale 1). A row's groups depend on its values alone, so these are the bits of
+    quantize_rows(x_rows) at 1 / K of its work and half the bytes moved."""
+    xq, xs = quantize_rows(x)
+    valid = peer_rank >= 0
+    token = peer_token.clamp(min=0).long()
+    rows = torch.where(valid.unsqueeze(1), xq.view(torch.uint8)[token],
+                       torch.zeros((), dtype=torch.uint8, device=x.device)).view(FP8)
+    scale_t = torch.where(valid.unsqueeze(0), xs[:, token],
+                          torch.ones((), dtype=torch.float32, device=x.device))
+    return rows, scale_t
+
+
+def expert_forward(x_rows, w1, w2,
                    expert_offsets: torch.Tensor, num_rows: torch.Tensor, save_h: bool = False,
                    max_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The routed experts' forward in FP8 over the row table: x rows quantised 1 x 128, fc1 +
     SwiGLU, act quantised 1 x 128 (from its bf16 rounding: the quantisation is not yet fused
-    into the fc1 epilogue), fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor. Returns (out rows
+    into the fc1 epilogue), fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor; x_rows: bf16 rows,
+    or (E4M3 rows, scale_t) already quantised (gather_quantized_rows). Returns (out rows
     [R, H] bf16, h or None)."""
     (w1q, w1s), (w2q, w2s) = (_values_and_scales(w) for w in (w1, w2))
-    xq, xs = quantize_rows(x_rows)
+    xq, xs = x_rows if isinstance(x_rows, tuple) else quantize_rows(x_rows)
     act, h = fc1_swiglu(xq, xs, w1q, w1s, expert_offsets, num_rows, save_h, max_ctas)
     aq, as_ = quantize_rows(act)
     return rows_matmul(aq, as_, w2q, w2s, expert_offsets, num_rows, max_ctas=max_ctas), h

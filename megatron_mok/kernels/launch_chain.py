@@ -111,11 +111,21 @@ def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: t
 
 def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, keep_ctx: bool,
                      push: bool = True, activation: ExpertActivation = SWIGLU, b1=None, b2=None,
-                     fp8: Optional[tuple] = None):
+                     fp8: Optional[tuple] = None, x: Optional[torch.Tensor] = None):
     """v1: pull, fc1 (+ b1, + the activation), fc2 (+ b2) and push (unless the combine
     reads the rows in place) as separate launches. fp8: (w1, w2) as fp8_gemm.Fp8Weight: the
-    blockwise-FP8 GEMMs (SwiGLU experts; act is then not returned)."""
+    blockwise-FP8 GEMMs (SwiGLU experts; act is then not returned); with x (EP = 1) x is
+    quantised per token and its E4M3 rows gathered, and no bf16 x rows are made (x_rows None:
+    the backward gathers them for the weight gradients)."""
     arena = ws.arena
+    if fp8 is not None and x is not None:
+        act = x_rows = None
+        rows = fp8_gemm.gather_quantized_rows(x, sched.peer_rank, sched.peer_token)
+        y_rows, h = fp8_gemm.expert_forward(rows, *fp8, sched.expert_offsets, sched.num_rows,
+                                            save_h=keep_ctx)
+        if push:
+            ops.push_rows(y_rows, arena.peer_base, arena.offset("slots"), sched, ws.topk)
+        return x_rows, act, h, y_rows
     x_rows = w1.new_empty(ws.capacity, hidden)
     ops.pull_rows(arena.peer_base, arena.offset("x"), sched, ws.topk, x_rows)
     if fp8 is not None:
