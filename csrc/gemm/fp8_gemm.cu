@@ -96,42 +96,10 @@ void launch_fp8(GemmParams p, const Fp8Scales& scales, const at::Tensor& a, int 
   auto tma_h = make_store_atom<Cfg>(h);
   auto kernel = &gemm::grouped_fp8_kernel<Cfg, decltype(tma_a), decltype(tma_b),
                                           decltype(tma_b_mc), decltype(tma_o)>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Cfg::kSmemBytes));
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  config.attrs = attr;
-  config.numAttrs = C == 1 ? 0 : 1;
   static int max_clusters_per_device[64] = {0};  // per instantiation and device
-  int& max_clusters = max_clusters_per_device[a.get_device()];
-  if (max_clusters == 0) {
-    if constexpr (C == 1) {
-      max_clusters = num_sms(a.get_device());
-    } else {
-      config.gridDim = dim3(num_sms(a.get_device()) / C * C);
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-      TORCH_CHECK(max_clusters > 0, "megatron_mok: no cluster of ", C, " CTAs fits this GPU");
-    }
-  }
-  at::Tensor counter;  // clusters stride statically
-  if (C == 1 && counter_scheduler()) {
-    counter = at::zeros({1}, a.options().dtype(at::kInt));
-    p.task_counter = counter.data_ptr<int>();
-  }
-  int clusters = std::min(max_clusters, p.num_tasks);
-  if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
-  config.gridDim = dim3(clusters * C);
   const gemm::OperandShapes shapes{a_rows, a_cols, b_n, b_k, b_q};
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, scales, tma_a, tma_b, tma_b_mc, tma_o,
-                                    tma_h, shapes));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_persistent<Cfg>(kernel, max_clusters_per_device[a.get_device()], p, a, max_ctas,
+                         scales, tma_a, tma_b, tma_b_mc, tma_o, tma_h, shapes);
 }
 
 // Runs f(Cfg<1>{}) or f(Cfg<2>{}) by MOK_GEMM_CLUSTER.

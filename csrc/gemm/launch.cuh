@@ -1,6 +1,7 @@
 // The standalone grouped-GEMM launch of the core (TMA descriptors, grid, cluster and
 // scheduler knobs), shared by the ops of grouped_gemm.cu (SwiGLU experts, fc2, wgrad) and
-// grouped_act.cu (non-gated experts).
+// grouped_act.cu (non-gated experts); launch_persistent (grid, clusters, task counter) also
+// launches the FP8 kernels (fp8_gemm.cu).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -34,6 +35,50 @@ inline bool h_through_ring() { return !knobs::current().dgrad_h_global; }
 template <template <int> class Cfg, class F>
 void with_cluster(F&& f) {
   if (cluster_size() == 2) f(Cfg<2>{}); else f(Cfg<1>{});
+}
+
+// Launches a persistent kernel of tile configuration Cfg: a cluster of Cfg::kCluster CTAs
+// per SM slot up to the task count (max_ctas > 0 caps the CTAs), the task counter zeroed for
+// this launch (clusters of 1 with the counter scheduler). max_clusters: the caller's cache of
+// the clusters that fit (0: not yet queried). The kernel's arguments are p, then rest.
+template <class Cfg, class Kernel, class... Rest>
+void launch_persistent(Kernel kernel, int& max_clusters, gemm::GemmParams p, const at::Tensor& like,
+                       int64_t max_ctas, const Rest&... rest) {
+  constexpr int C = Cfg::kCluster;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = Cfg::kSmemBytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  config.attrs = attr;
+  config.numAttrs = C == 1 ? 0 : 1;  // C = 1 launches as a plain grid
+  // Per call: the attribute is per device and cheap to set.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Cfg::kSmemBytes));
+  if (max_clusters == 0) {
+    if constexpr (C == 1) {
+      max_clusters = num_sms(like.get_device());
+    } else {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      config.gridDim = dim3(num_sms(like.get_device()) / C * C);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+      TORCH_CHECK(max_clusters > 0, "megatron_mok: no cluster of ", C, " CTAs fits this GPU");
+    }
+  }
+  at::Tensor counter;  // lives until the launch is queued; the allocator orders its reuse
+  if (C == 1 && counter_scheduler()) {
+    counter = at::zeros({1}, like.options().dtype(at::kInt));
+    p.task_counter = counter.data_ptr<int>();
+  }
+  int clusters = std::min(max_clusters, p.num_tasks);
+  if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
+  config.gridDim = dim3(clusters * C);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, rest...));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // out: the output (kRows: rows x N; kTokensAsK: M x N x E); h: the SwiGLU pre-activations
@@ -82,45 +127,9 @@ void launch(GemmParams p, const at::Tensor& a, typename Cfg::StrideA stride_a, i
     }
   }();
   static int max_clusters_per_device[64] = {0};  // per instantiation and device
-  const int device = a.get_device();
-  int& max_clusters = max_clusters_per_device[device];
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = Cfg::kSmemBytes;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = C == 1 ? 0 : 1;  // C = 1 launches as a plain grid
-  // Per call: the attribute is per device and cheap to set.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Cfg::kSmemBytes));
-  if (max_clusters == 0) {
-    if constexpr (C == 1) {
-      max_clusters = num_sms(a.get_device());
-    } else {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-      config.gridDim = dim3(num_sms(a.get_device()) / C * C);
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-      TORCH_CHECK(max_clusters > 0, "megatron_mok: no cluster of ", C, " CTAs fits this GPU");
-    }
-  }
-  at::Tensor counter;  // lives until the launch is queued; the allocator orders its reuse
-  if (C == 1 && counter_scheduler()) {
-    counter = at::zeros({1}, a.options().dtype(at::kInt));
-    p.task_counter = counter.data_ptr<int>();
-  }
-  int clusters = std::min(max_clusters, p.num_tasks);
-  if (max_ctas > 0) clusters = std::min<int>(clusters, std::max<int>(1, int(max_ctas) / C));
-  config.gridDim = dim3(clusters * C);
   const gemm::OperandShapes shapes{a_rows, a_cols, b_n, b_k, b_q};
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b, tma_b_mc, tma_o, tma_h,
-                                    tma_h_in, shapes));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_persistent<Cfg>(kernel, max_clusters_per_device[a.get_device()], p, a, max_ctas, tma_a, tma_b, tma_b_mc, tma_o,
+                         tma_h, tma_h_in, shapes);
 }
 
 }  // namespace megatron_mok::gemm_host
