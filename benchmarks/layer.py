@@ -46,13 +46,17 @@ from benchmarks import shapes as S
 from megatron_mok.reference import rel_l2
 
 REPO = Path(__file__).resolve().parents[1]
-BACKENDS = ("mok", "sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall", "mok-fp8")
+BACKENDS = ("mok", "sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall", "mok-fp8",
+            "mok-fp8-reuse")
+FP8_BACKENDS = ("mok-fp8", "mok-fp8-reuse")  # not in the default list (opt-in kernels)
 BASELINES = ("sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall")
 HOST_CALLS = 5  # layer calls timed on the host alone (each after a sync, none inside)
 PASSES = ("fwd", "bwd")
 CHECK_TOL = 1e-2
-# mok-fp8 (blockwise FP8 experts) is checked against the BF16 spec too: its quantisation
-# moves y and the gradients by a few % (docs/fp8.md), so its bound is looser.
+# mok-fp8 (blockwise FP8 experts; weights quantised every pass, as at one micro-batch per
+# step) and mok-fp8-reuse (weights quantised once per step, as a step's later micro-batches
+# run) are checked against the BF16 spec too: the quantisation moves y and the gradients
+# by a few % (docs/fp8.md), so their bound is looser.
 FP8_CHECK_TOL = 0.1
 WEIGHT_STD = 0.02
 BIAS_STD = 0.1  # the experts' biases, where a shape has them
@@ -316,7 +320,7 @@ class MokBackend(Backend):
     name = "mok"
 
     def __init__(self, weights: Weights, device, mok_backend: str = "auto",
-                 activation: str = "swiglu", fp8: bool = False):
+                 activation: str = "swiglu", fp8: bool = False, reuse_fp8_weights=False):
         super().__init__(weights)
         from megatron_mok import functional
         from megatron_mok.config import MoKConfig
@@ -327,7 +331,11 @@ class MokBackend(Backend):
         if fp8:  # the kernel backend's FP8 path is opt-in
             from megatron_mok import knobs
             knobs.set_env("MOK_FP8_KERNELS", "1")
-            self.name = "mok-fp8"
+            self.name = "mok-fp8-reuse" if reuse_fp8_weights else "mok-fp8"
+        self.fp8_cache = None
+        if fp8 and reuse_fp8_weights:  # valid: the benchmark never updates the weights
+            from megatron_mok.kernels.fp8_weight_cache import Fp8WeightCache
+            self.fp8_cache = Fp8WeightCache(reuse=True)
         self.resolved = functional.resolve_backend(self.config, torch.device(device),
                                                    weights.w1.dtype)
         self.info = {"mok_backend": self.resolved, "mok_backend_requested": mok_backend}
@@ -345,8 +353,9 @@ class MokBackend(Backend):
             self.info["autotune_cache"] = str(cache) if cache.exists() else None
 
     def run(self, inp):
+        extra = {"fp8_cache": self.fp8_cache} if self.fp8_cache is not None else {}
         return self.fused_moe(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors(),
-                              config=self.config, **self.weights.biases())
+                              config=self.config, **self.weights.biases(), **extra)
 
     def close(self):
         from megatron_mok.functional import clear_workspace_cache
@@ -583,6 +592,9 @@ def make_backend(name: str, local: S.LocalShape, weights: Weights, device, args)
         return MokBackend(weights, device, args.mok_backend, local.activation)
     if name == "mok-fp8":  # the routed experts in blockwise FP8 (weight gradients in BF16)
         return MokBackend(weights, device, args.mok_backend, local.activation, fp8=True)
+    if name == "mok-fp8-reuse":  # the same, weights quantised once per step (reused)
+        return MokBackend(weights, device, args.mok_backend, local.activation, fp8=True,
+                          reuse_fp8_weights=True)
     if name == "torch-unfused":
         plain = local.activation == "swiglu"
         return TorchUnfusedBackend(weights, device, None if plain else S.activation_of(local.activation))
@@ -887,7 +899,7 @@ def make_record(meta: dict, shape: S.Shape, local: S.LocalShape, num_tokens: int
         err = check.get("fwd_rel_l2") if which == "fwd" else check.get("bwd_rel_l2_max")
         if err is not None:
             rec["rel_l2"] = err
-            tol = FP8_CHECK_TOL if backend == "mok-fp8" else CHECK_TOL
+            tol = FP8_CHECK_TOL if backend in FP8_BACKENDS else CHECK_TOL
             rec["correct"] = bool(err <= tol and check.get("finite", True))
     if times:
         ms = statistics.median(times)
@@ -911,7 +923,7 @@ def fill_speedups(records: list) -> None:
         for r in group:
             r["speedup"] = {b: ms / r["ms"] for b, ms in base_ms.items()
                             if b != r["backend"] and r["ms"]}
-            if r["backend"] == "mok-fp8" and bf16_mok and r["ms"]:  # FP8 over our BF16
+            if r["backend"] in FP8_BACKENDS and bf16_mok and r["ms"]:  # FP8 over our BF16
                 r["speedup"]["mok"] = bf16_mok / r["ms"]
 
 
@@ -996,9 +1008,11 @@ def parse_args(argv=None):
                    help="comma list of tokens per rank (default 4096,8192; --quick: 4096)")
     p.add_argument("--routing", default="balanced",
                    help=f"comma list of {', '.join(S.ROUTINGS)} (default balanced)")
-    p.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "mok-fp8"),
+    p.add_argument("--backends", default=",".join(b for b in BACKENDS if b not in FP8_BACKENDS),
                    help="comma list (mok-fp8: the blockwise-FP8 experts, H and I multiples "
-                        "of 128; not in the default list)")
+                        "of 128, weights quantised every pass; mok-fp8-reuse: once per "
+                        "step, as a step's later micro-batches; neither in the default "
+                        "list)")
     p.add_argument("--pass", dest="passes", default="fwd,bwd", help="fwd, bwd or fwd,bwd")
     p.add_argument("--warmup", type=int, default=None, help="default 20 (--quick: 3)")
     p.add_argument("--iters", type=int, default=None, help="default 50 (--quick: 10)")

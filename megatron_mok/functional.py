@@ -27,6 +27,7 @@ import torch
 
 from megatron_mok import reference, reference_fp8, routing_errors, shared_fold
 from megatron_mok.kernels import backend as kernel_backend
+from megatron_mok.kernels.fp8_weight_cache import Fp8WeightCache
 from megatron_mok.backend_choice import resolve_backend
 from megatron_mok.config import MoKConfig
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
@@ -141,23 +142,25 @@ def _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w
 
 def recompute_forward_context(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule,
                               x, topk_w, w1, w2, shared_w1=None, shared_w2=None, b1=None,
-                              b2=None) -> MoKForwardContext:
+                              b2=None, fp8_cache=None) -> MoKForwardContext:
     """Rebuild the forward context (activation recompute) without keeping the output."""
     _, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2,
-                      keep_ctx=True)
+                      keep_ctx=True, fp8_cache=fp8_cache)
     return ctx
 
 
 def forward(config: MoKConfig, ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2,
-            shared_w1=None, shared_w2=None, b1=None, b2=None
+            shared_w1=None, shared_w2=None, b1=None, b2=None, fp8_cache=None
             ) -> tuple[torch.Tensor, MoKForwardContext]:
-    """y [T, H] in x.dtype and the context backward needs."""
+    """y [T, H] in x.dtype and the context backward needs. fp8_cache: an
+    Fp8WeightCache for config.fp8 on the kernel backend (weights quantised per pass
+    without one)."""
     return _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2,
-                    keep_ctx=True)
+                    keep_ctx=True, fp8_cache=fp8_cache)
 
 
 def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None, b2=None, *,
-             keep_ctx, inputs_checked=False):
+             keep_ctx, inputs_checked=False, fp8_cache=None):
     """inputs_checked: fused_moe checked these inputs and built ws and sched from them
     (the checks cost a layer call's host time twice otherwise)."""
     if inputs_checked:
@@ -169,7 +172,7 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
     if backend == "kernel":
         check_kernel_config(config)  # e.g. FP8 or biases on a kernel workspace
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
-                                          keep_ctx, config, b1, b2)
+                                          keep_ctx, config, b1, b2, fp8_cache)
         return y, MoKForwardContext(backend, _meta(y) if keep_ctx else None, saved=saved)
     sched.check_errors()  # the reference is not sync-free anyway
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)
@@ -257,19 +260,22 @@ class MoKFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2, config, ws, sched,
-                recompute, accumulators=None, inputs_checked=False):
+                recompute, accumulators=None, inputs_checked=False, fp8_cache=None):
         y, ctx = _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2,
-                          keep_ctx=not recompute, inputs_checked=inputs_checked)
-        fctx.mok = (config, ws, sched, ctx if not recompute else None, accumulators)
+                          keep_ctx=not recompute, inputs_checked=inputs_checked,
+                          fp8_cache=fp8_cache)
+        fctx.mok = (config, ws, sched, ctx if not recompute else None, accumulators,
+                    fp8_cache)
         if recompute:
             fctx.save_for_backward(x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2)
         return y
 
     @staticmethod
     def backward(fctx, dy):
-        config, ws, sched, ctx, accumulators = fctx.mok
+        config, ws, sched, ctx, accumulators, fp8_cache = fctx.mok
         if ctx is None:
-            ctx = recompute_forward_context(config, ws, sched, *fctx.saved_tensors)
+            ctx = recompute_forward_context(config, ws, sched, *fctx.saved_tensors,
+                                            fp8_cache=fp8_cache)
         # Only for weights that want a gradient (a frozen weight's buffers stay untouched).
         wanted = fctx.needs_input_grad[2:4]
         accumulators = tuple(a if want else None
@@ -277,7 +283,7 @@ class MoKFunction(torch.autograd.Function):
         g = backward(config, ws, sched, ctx, dy.contiguous(), accumulators)
         fctx.mok = None
         return (g.dx, g.d_topk_w, g.dw1, g.dw2, g.d_shared_w1, g.d_shared_w2, g.db1, g.db2,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1: torch.Tensor,
@@ -286,7 +292,8 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
               config: Optional[MoKConfig] = None, recompute: bool = False,
               accumulators: Optional[tuple] = None,
               fold_shared: Optional[bool] = None, b1: Optional[torch.Tensor] = None,
-              b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+              b2: Optional[torch.Tensor] = None,
+              fp8_cache: Optional[Fp8WeightCache] = None) -> torch.Tensor:
     """The fused MoE layer with autograd: x [T, H], topk_idx [T, K] (global ids, -1 = none),
     topk_w [T, K] fp32, w1 [E_loc, 2I, H] ([E_loc, I, H] for a non-gated
     config.activation), w2 [E_loc, H, I], optional shared expert.
@@ -300,7 +307,9 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     both or neither; the routing weight scales b2 with the expert's output, as Megatron's
     experts do. They set config.expert_bias.
     config.fp8 = "blockwise": the routed experts in blockwise FP8 (reference_fp8; EP = 1,
-    SwiGLU, no biases, H and I multiples of 128), the shared expert in BF16."""
+    SwiGLU, no biases, H and I multiples of 128), the shared expert in BF16; fp8_cache
+    (megatron_mok.kernels.fp8_weight_cache) keeps the FP8 weights across the passes of
+    one optimizer step, else the kernel backend quantises them every pass."""
     config = config or MoKConfig()
     check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2, check_values=False,
                      fc1_rows_per_inter=config.activation.fc1_rows_per_inter)
@@ -312,6 +321,9 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
                 a is None or isinstance(a, ExpertGradAccumulator) for a in accumulators):
             raise TypeError("megatron_mok: accumulators must be a pair of "
                             "ExpertGradAccumulator or None (w1's, w2's)")
+    if fp8_cache is not None and not isinstance(fp8_cache, Fp8WeightCache):
+        raise TypeError(f"megatron_mok: fp8_cache must be an Fp8WeightCache or None, got "
+                        f"{type(fp8_cache).__name__}")
     # The shared expert as local expert E_loc (shared_fold): one more route per token.
     # Accumulators then hold E_loc + 1 buffers, the shared weight's last.
     if fold_shared is None:
@@ -339,4 +351,4 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
         check_kernel_dims(intermediate_size=w1.shape[1] // rows_per_inter)
     sched = build_schedule(ws, config, topk_idx)
     return MoKFunction.apply(x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2, config, ws, sched,
-                             recompute, accumulators, True)
+                             recompute, accumulators, True, fp8_cache)

@@ -17,6 +17,6 @@ if [ "${CLUSTER2:-0}" = 1 ]; then
     --iters 15 --cluster 2 --out "$OUT" 2>&1 | tee "$OUT/fp8_gemm_cluster2.log" | tail -3
 fi
 timeout "${LAYER_TIMEOUT:-90}" $PY -m benchmarks.layer --shapes "${LAYER_SHAPES:-qwen3-30b-a3b}" \
-  --tokens 8192 --backends mok,mok-fp8 --iters 15 --warmup 5 --out "$OUT" 2>&1 \
+  --tokens 8192 --backends mok,mok-fp8,mok-fp8-reuse --iters 15 --warmup 5 --out "$OUT" 2>&1 \
   | tr '\r' '\n' | grep -v '%|' > "$OUT/layer.log"
 tail -8 "$OUT/layer.log"

@@ -307,7 +307,8 @@ def test_gpu_short_name():
 def test_cli_defaults_and_quick():
     a = L.parse_args([])
     assert a.shapes == list(S.SHAPES) and a.tokens == [4096, 8192]
-    assert a.routing == ["balanced"] and a.backends == [b for b in L.BACKENDS if b != "mok-fp8"]
+    assert a.routing == ["balanced"] and a.backends == [b for b in L.BACKENDS
+                                                        if b not in L.FP8_BACKENDS]
     assert a.passes == ["fwd", "bwd"] and (a.warmup, a.iters) == (20, 50)
     assert a.mok_backend == "auto" and a.check_tokens == "auto"
     q = L.parse_args(["--quick", "--shapes", "qwen3-30b-a3b", "--pass", "fwd"])

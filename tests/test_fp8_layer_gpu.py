@@ -86,3 +86,25 @@ def test_fp8_kernel_pass_has_no_host_sync():
         _run(inputs, FP8_KERNEL, dy)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_weights_reused_within_a_step_give_the_bits_of_fresh_ones():
+    """Fp8WeightCache(reuse=True), as MokMoELayer runs it under Megatron: the step's later
+    passes reuse the first one's FP8 weights, with the bits of quantising them again."""
+    from megatron_mok.kernels.fp8_weight_cache import Fp8WeightCache, advance_step
+
+    inputs = _inputs("qwen3-30b-a3b", seed=4)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    fresh = _run(inputs, FP8_KERNEL, dy)
+    cache = Fp8WeightCache(reuse=True)
+    for _ in range(2):  # the first pass quantises, the second reuses
+        leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
+                  for k, v in inputs.items()}
+        y = mok.fused_moe(**leaves, config=FP8_KERNEL, fp8_cache=cache)
+        y.backward(dy)
+        assert torch.equal(y, fresh[0])
+        assert all(torch.equal(leaves[k].grad, fresh[1][k]) for k in fresh[1])
+    assert cache.quantisations == 1
+    advance_step()
+    mok.fused_moe(**inputs, config=FP8_KERNEL, fp8_cache=cache)
+    assert cache.quantisations == 2

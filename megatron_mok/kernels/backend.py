@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from megatron_mok import knobs, routing_errors
 from megatron_mok.config import MoKConfig
-from megatron_mok.kernels import autotune, fp8_gemm, grouped_gemm, megakernel, ops
+from megatron_mok.kernels import autotune, fp8_weight_cache, grouped_gemm, megakernel, ops
 from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, bias_grads,
                                                dgrad_launches, expert_launches,
                                                fused_wgrad_targets, gather_rows, gemm_core,
@@ -85,9 +85,11 @@ def route_rows(sched: MoKSchedule, num_tokens: int, topk: int) -> torch.Tensor:
 
 
 def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, shared_w2,
-            keep_ctx: bool, config: Optional[MoKConfig] = None, b1=None, b2=None):
+            keep_ctx: bool, config: Optional[MoKConfig] = None, b1=None, b2=None,
+            fp8_cache: Optional[fp8_weight_cache.Fp8WeightCache] = None):
     """(y, KernelSaved or None). The experts' activation comes from config (SwiGLU, or a
-    GLU the epilogues run: ExpertActivation.kernel_runs); b1 / b2 their biases."""
+    GLU the epilogues run: ExpertActivation.kernel_runs); b1 / b2 their biases. FP8: the
+    weights from fp8_cache (quantised once per step where it reuses them), else per pass."""
     arena, topk = ws.arena, ws.topk
     config = config or MoKConfig()
     activation = config.activation
@@ -120,10 +122,10 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
             minibatch_rows=plan.minibatch_rows, direct=direct, scatter=not in_place,
             b1=b1, b2=b2, glu=activation.kernel_glu)
     else:
-        # FP8: the weights in 128 x 128 blocks, both layouts, on the device per pass (the
-        # backward's dgrads read the transposed ones kept here).
-        fp8 = (fp8_gemm.quantize_weights(w1.contiguous()),
-               fp8_gemm.quantize_weights(w2.contiguous())) if config.fp8 else None
+        # FP8: the weights in 128 x 128 blocks, both layouts, on the device (the backward's
+        # dgrads read the transposed ones kept here).
+        fp8 = (fp8_cache or fp8_weight_cache.Fp8WeightCache()).weights(w1, w2) \
+            if config.fp8 else None
         x_rows, act, h, y_rows = expert_launches(ws, sched, w1, w2, hidden, keep_ctx,
                                                   push=not in_place, activation=activation,
                                                   b1=b1, b2=b2, fp8=fp8,

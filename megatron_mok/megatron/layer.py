@@ -30,6 +30,7 @@ from megatron_mok.activations import from_megatron
 from megatron_mok.config import MoKConfig
 from megatron_mok.functional import fused_moe, resolve_backend
 from megatron_mok.grad_accumulation import ExpertGradAccumulator
+from megatron_mok.kernels import fp8_weight_cache
 from megatron_mok.megatron.dispatcher import MokTokenDispatcher
 from megatron_mok.megatron.expert_weights import (reverse_local_experts, share_one_storage,
                                                   stack_experts)
@@ -162,6 +163,9 @@ class MokMoELayer(MoELayer):
         check_fp8_pass(self.mok_config, ep_size=config.expert_model_parallel_size or 1,
                        hidden=config.hidden_size, inter=config.moe_ffn_hidden_size,
                        biases=self.mok_config.expert_bias)
+        # FP8: the weights quantised once per optimizer step (reused across micro-batches
+        # once the step hook runs: install_step_check).
+        self._fp8_cache = fp8_weight_cache.Fp8WeightCache() if self.mok_config.fp8 else None
         # fused: metadata only (routed_experts_compute runs dispatch + experts + combine).
         self.token_dispatcher = MokTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config,
@@ -236,7 +240,9 @@ class MokMoELayer(MoELayer):
             log_single_rank(logger, logging.INFO,
                             f"megatron_mok: MoE layer {self.layer_number} runs the {backend} "
                             f"backend on {hidden_states.device} (experts in {experts})")
-        install_step_check(self.config)
+        step_hook = install_step_check(self.config)
+        if self._fp8_cache is not None:
+            self._fp8_cache.reuse = step_hook
         self._run_weight_modules_pre_hooks()
         fc1, fc2 = expert_weight_list(self.experts)
         reverse = self._experts_backwards(fc1, fc2)
@@ -273,7 +279,8 @@ class MokMoELayer(MoELayer):
         output = fused_moe(
             hidden_states.contiguous(), topk_idx, probs,
             w1, w2, group=self.ep_group, config=self.mok_config,
-            accumulators=self._main_grad_accumulators(fc1, fc2), b1=b1, b2=b2)
+            accumulators=self._main_grad_accumulators(fc1, fc2), b1=b1, b2=b2,
+            fp8_cache=self._fp8_cache)
         return output, None
 
     def _experts_backwards(self, fc1, fc2) -> bool:
@@ -331,22 +338,28 @@ class MokMoELayer(MoELayer):
         return self._accumulators
 
 
-def install_step_check(config) -> None:
+def install_step_check(config) -> bool:
     """Raise a routing error latched by any pass of the step before the optimizer applies
-    the step (routing_errors): Megatron calls config.finalize_model_grads_func after the
-    last backward of every step, right before optimizer.step() synchronises anyway; the
-    check waits there for the last schedule's status copy. Installed once per config."""
+    the step (routing_errors), and mark the FP8 weights stale (fp8_weight_cache): Megatron
+    calls config.finalize_model_grads_func after the last backward of every step, right
+    before optimizer.step() synchronises anyway; the check waits there for the last
+    schedule's status copy. Installed once per config; True when it is (a training loop
+    without the hook: False)."""
     finalize = getattr(config, "finalize_model_grads_func", None)
-    if finalize is None or getattr(finalize, "mok_checks_routing", False):
-        return
+    if finalize is None:
+        return False
+    if getattr(finalize, "mok_checks_routing", False):
+        return True
 
     def finalize_then_check(*args, **kwargs):
         result = finalize(*args, **kwargs)
+        fp8_weight_cache.advance_step()
         routing_errors.check(wait=True)
         return result
 
     finalize_then_check.mok_checks_routing = True
     config.finalize_model_grads_func = finalize_then_check
+    return True
 
 
 def _mark_added(params) -> None:

@@ -119,15 +119,19 @@ def test_megatron_checks_the_latch_before_the_optimizer_step(monkeypatch):
     class Config:
         finalize_model_grads_func = staticmethod(lambda *a, **k: calls.append(("finalize", a)))
 
+    from megatron_mok.kernels import fp8_weight_cache
+
     config = Config()
-    install_step_check(config)
+    assert install_step_check(config)
     wrapped = config.finalize_model_grads_func
-    install_step_check(config)  # once
+    assert install_step_check(config)  # once
     assert config.finalize_model_grads_func is wrapped
+    step = fp8_weight_cache.current_step()
     config.finalize_model_grads_func([1])
     assert calls == [("finalize", ([1],)), ("check", True)]
+    assert fp8_weight_cache.current_step() == step + 1  # the FP8 weights are stale now
     bare = type("Bare", (), {"finalize_model_grads_func": None})()
-    install_step_check(bare)  # nothing to wrap (forward only)
+    assert not install_step_check(bare)  # nothing to wrap (forward only): no FP8 reuse
     assert bare.finalize_model_grads_func is None
 
 
