@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 CATEGORIES = (
     ("megakernel", ("moe_forward_kernel", "moe_backward_kernel", "megakernel")),
     ("expert gemm (core)", ("grouped_gemm_kernel",)),
+    ("fp8 gemm (core)", ("grouped_fp8_kernel",)),
+    ("fp8 quantise", ("quantize_fp8", "quantise_fp8", "fp8_rows", "fp8_blocks")),
     ("row moves", ("pull_rows", "push_rows", "gather_from_peers")),
     ("combine", ("combine",)),
     ("ep barrier", ("ep_barrier",)),
@@ -115,8 +117,11 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="balanced", choices=S.ROUTINGS)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="mok", choices=("mok", *L.FP8_BACKENDS))
+    ap.add_argument("--top", type=int, default=0, help="also print the N longest kernels")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args(argv)
+    args.mok_backend = "auto"
     args.warmup = 1
     if not torch.cuda.is_available():
         print("benchmarks.breakdown needs a CUDA GPU", file=sys.stderr)
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
         local = S.ep8_proxy(S.get_shape(name))
         weights = L.make_weights(local, device, seed=args.seed)
         case = L.make_case(local, args.tokens, args.routing, device, seed=args.seed)
-        backend = L.MokBackend(weights, device)
+        backend = L.make_backend(args.backend, local, weights, device, args)
         inp = backend.prepare(case)
 
         def forward():
@@ -146,7 +151,8 @@ def main(argv=None) -> int:
                            prepare=fresh_forward)
         for pass_name, rec in (("fwd", fwd), ("bwd", bwd)):
             gemm = sum(v for k, v in rec["by_category_ms"].items()
-                       if k in ("megakernel", "expert gemm (core)", "torch gemm"))
+                       if k in ("megakernel", "expert gemm (core)", "fp8 gemm (core)",
+                                "torch gemm"))
             rec["non_gemm_share"] = 1.0 - gemm / rec["wall_ms"] if rec["wall_ms"] else 0.0
             cats = ", ".join(f"{k} {v:.3f}" for k, v in rec["by_category_ms"].items()
                              if v > 0.005)
@@ -154,6 +160,8 @@ def main(argv=None) -> int:
                   f"host {rec['host_ms']:7.3f} ms;  profiled wall {rec['wall_ms']:7.3f} ms  kernels "
                   f"{rec['kernel_ms']:7.3f}  idle {rec['idle_ms']:6.3f}  non-GEMM "
                   f"{rec['non_gemm_share']:5.1%}  | {cats}")
+            for kernel, ms in list(rec["top_kernels_ms"].items())[:args.top]:
+                print(f"    {ms:7.3f} ms  {kernel[:110]}")
         records.append({"shape": name, "tokens": args.tokens, "routing": args.routing,
                         "info": backend.info, "fwd": fwd, "bwd": bwd})
         backend.close()
@@ -161,7 +169,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{meta['date']}-{meta['gpu_short']}-layer-breakdown.json"
+    suffix = "" if args.backend == "mok" else f"-{args.backend}"
+    path = out_dir / f"{meta['date']}-{meta['gpu_short']}-layer-breakdown{suffix}.json"
     path.write_text(json.dumps({"meta": meta, "results": records}, indent=1))
     print(f"wrote {path}")
     return 0

@@ -68,6 +68,8 @@ def fns_of(case):
         "fp8_fc2": lambda: f8.rows_matmul(aq, as_, w2q.data, w2q.scale, offsets, num_rows),
         "quant_x": lambda: f8.quantize_rows(x),
         "quant_act": lambda: f8.quantize_rows(act_bf),
+        # both weights, both layouts, on the device (once per pass, or once per step)
+        "quant_w": lambda: (f8.quantize_weights(w1), f8.quantize_weights(w2)),
     }
 
 
@@ -82,13 +84,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cluster", default=None, choices=("1", "2"),
                    help="MOK_GEMM_CLUSTER for both cores (2: B multicast across CTA pairs)")
+    p.add_argument("--promotion", default=None, choices=("serial", "overlap"),
+                   help="MOK_FP8_PROMOTION (overlap: promote K tile k - 1 during tile k)")
     args = p.parse_args(argv)
     if args.cluster:
         knobs.set_env("MOK_GEMM_CLUSTER", args.cluster)
+    if args.promotion:
+        knobs.set_env("MOK_FP8_PROMOTION", args.promotion)
     device = torch.device("cuda")
     meta = run_metadata(device, args)
     meta["benchmark"] = "fp8-gemm"
     meta["gemm_cluster"] = os.environ.get("MOK_GEMM_CLUSTER", "1")
+    meta["fp8_promotion"] = os.environ.get("MOK_FP8_PROMOTION", "serial")
     meta["peak_tflops"] = peak = measure_dense_peak(device)
     meta["fp8_peak_tflops"] = fp8_peak = measure_fp8_peak(device)
     timer = Timer(device, FLUSH_BYTES)
@@ -124,7 +131,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if meta["gemm_cluster"] == "1" else "-cluster2"
+    suffix = ("" if meta["gemm_cluster"] == "1" else "-cluster2") + \
+        ("" if meta["fp8_promotion"] == "serial" else "-overlap")
     path = out / (f"{meta['date']}-{meta['gpu_short']}-fp8-gemm-"
                   f"{str(meta.get('git_commit'))[:7]}{suffix}.json")
     path.write_text(json.dumps({"benchmark": "fp8-gemm", "meta": meta, "records": records},

@@ -14,6 +14,7 @@ struct Knobs {
   bool dgrad_h_global = false;    // MOK_DGRAD_H=global (else through the operand ring)
   int gather = kGatherLines;      // MOK_MEGAKERNEL_GATHER
   int mover_warps = 8;            // MOK_MOVER_WARPS: 1, 2, 4 or 8
+  bool fp8_overlap_promotion = false;  // MOK_FP8_PROMOTION=overlap (else serial)
 };
 
 const Knobs& current();

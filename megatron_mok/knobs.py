@@ -45,6 +45,7 @@ KNOBS = {k.name: k for k in (
     Knob("MOK_DGRAD_H", "ring", ("ring", "global")),
     Knob("MOK_MEGAKERNEL_GATHER", "lines", ("lines", "tma", "rows")),
     Knob("MOK_MOVER_WARPS", "8", ("1", "2", "4", "8")),
+    Knob("MOK_FP8_PROMOTION", "serial", ("serial", "overlap")),
 )}
 
 # The knobs that change which plan the autotuner measures (part of its cache key).

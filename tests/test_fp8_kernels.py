@@ -101,8 +101,11 @@ def test_expert_forward_matches_the_fp8_spec():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheduler, cluster", [("counter", "1"), ("static", "1"), ("static", "2")])
-def test_bits_do_not_depend_on_the_grid_the_scheduler_or_the_cluster(scheduler, cluster):
+@pytest.mark.parametrize("scheduler, cluster, promotion", [
+    ("counter", "1", "serial"), ("static", "1", "serial"), ("static", "2", "serial"),
+    ("counter", "1", "overlap"), ("static", "1", "overlap")])
+def test_bits_do_not_depend_on_the_grid_the_scheduler_the_cluster_or_the_promotion(
+        scheduler, cluster, promotion):
     offsets, num_rows, capacity, real, offs = row_table(COUNTS["ragged"])
     hidden, inter = 768, 384
     E = len(offs) - 1
@@ -116,6 +119,7 @@ def test_bits_do_not_depend_on_the_grid_the_scheduler_or_the_cluster(scheduler, 
     base_dgrad = f8.expert_dgrad(dy, row_w, w1, w2, base_h, offsets, num_rows)
     knobs.set_env("MOK_GEMM_SCHEDULER", scheduler)
     knobs.set_env("MOK_GEMM_CLUSTER", cluster)
+    knobs.set_env("MOK_FP8_PROMOTION", promotion)
     try:
         for ctas in (2, 6, 0):
             out, h = f8.expert_forward(x, w1, w2, offsets, num_rows, save_h=True, max_ctas=ctas)
@@ -127,6 +131,7 @@ def test_bits_do_not_depend_on_the_grid_the_scheduler_or_the_cluster(scheduler, 
     finally:
         knobs.set_env("MOK_GEMM_SCHEDULER", None)
         knobs.set_env("MOK_GEMM_CLUSTER", None)
+        knobs.set_env("MOK_FP8_PROMOTION", None)
 
 
 @pytest.mark.gpu

@@ -97,14 +97,18 @@ def test_weights_reused_within_a_step_give_the_bits_of_fresh_ones():
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     fresh = _run(inputs, FP8_KERNEL, dy)
     cache = Fp8WeightCache(reuse=True)
+    weights = {k: inputs[k].clone().requires_grad_() for k in ("w1", "w2")}  # one step's
     for _ in range(2):  # the first pass quantises, the second reuses
         leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v
                   for k, v in inputs.items()}
+        leaves.update(weights)
+        for w in weights.values():
+            w.grad = None
         y = mok.fused_moe(**leaves, config=FP8_KERNEL, fp8_cache=cache)
         y.backward(dy)
         assert torch.equal(y, fresh[0])
         assert all(torch.equal(leaves[k].grad, fresh[1][k]) for k in fresh[1])
     assert cache.quantisations == 1
     advance_step()
-    mok.fused_moe(**inputs, config=FP8_KERNEL, fp8_cache=cache)
+    mok.fused_moe(**{**inputs, **weights}, config=FP8_KERNEL, fp8_cache=cache)
     assert cache.quantisations == 2

@@ -23,13 +23,14 @@ using gemm::GemmParams;
 using gemm::fp8;
 using namespace gemm_host;
 
-// By cluster size (MOK_GEMM_CLUSTER: 1, or 2 for B multicast across CTA pairs).
-template <int C>
-using CfgFp8Rows = Fp8GemmConfig<Epi::kStore, 5, C>;
-template <int C>
-using CfgFp8Fc1SwiGLU = Fp8GemmConfig<Epi::kSwiGLU, 5, C>;
-template <int C>
-using CfgFp8DgradSwiGLU = Fp8GemmConfig<Epi::kSwiGLUBwd, 5, C>;
+// By cluster size (MOK_GEMM_CLUSTER: 1, or 2 for B multicast across CTA pairs) and
+// promotion (MOK_FP8_PROMOTION: serial, or overlap with the next K tile's WGMMAs).
+template <int C, bool O = false>
+using CfgFp8Rows = Fp8GemmConfig<Epi::kStore, 5, C, O>;
+template <int C, bool O = false>
+using CfgFp8Fc1SwiGLU = Fp8GemmConfig<Epi::kSwiGLU, 5, C, O>;
+template <int C, bool O = false>
+using CfgFp8DgradSwiGLU = Fp8GemmConfig<Epi::kSwiGLUBwd, 5, C, O>;
 
 constexpr int kGroup = 128;  // the recipe's group: 1 x 128 (activations), 128 x 128 (weights)
 
@@ -102,10 +103,13 @@ void launch_fp8(GemmParams p, const Fp8Scales& scales, const at::Tensor& a, int 
                          scales, tma_a, tma_b, tma_b_mc, tma_o, tma_h, shapes);
 }
 
-// Runs f(Cfg<1>{}) or f(Cfg<2>{}) by MOK_GEMM_CLUSTER.
-template <template <int> class Cfg, class F>
+// Runs f(Cfg<C, overlap>{}) by MOK_GEMM_CLUSTER and MOK_FP8_PROMOTION (clusters of 2
+// promote serially: the overlap is measured on single CTAs first).
+template <template <int, bool> class Cfg, class F>
 void with_fp8_cluster(F&& f) {
-  if (cluster_size() == 2) f(Cfg<2>{}); else f(Cfg<1>{});
+  if (cluster_size() == 2) f(Cfg<2, false>{});
+  else if (knobs::current().fp8_overlap_promotion) f(Cfg<1, true>{});
+  else f(Cfg<1, false>{});
 }
 
 // out [rows, N] bf16 = dq(a) @ dq(w[e])^T per expert segment: a [rows, K] E4M3 with its
@@ -213,31 +217,45 @@ void grouped_fp8_dgrad_swiglu_cuda(const at::Tensor& dy, const at::Tensor& dy_sc
 
 // 1 x 128 quantisation of bf16 rows, as megatron_mok.fp8_formats.quantize_blockwise: per
 // group scale = amax / 448 (1 for an all-zero group), q = rne_e4m3(x / scale) saturated
-// (IEEE division, so the bits are the reference's). One warp per (row, group), 4 values a
-// lane; the scale goes to the transposed layout the GEMMs read.
+// (IEEE division, so the bits are the reference's). One warp per kItemsPerWarp consecutive
+// (row, group) items, 4 values a lane each, every load issued before the first reduction
+// (a warp with a single 8-byte load in flight leaves HBM idle); the scale goes to the
+// transposed layout the GEMMs read.
+constexpr int kItemsPerWarp = 4;
+
 __global__ void quantize_fp8_rows_kernel(const __nv_bfloat16* __restrict__ x,
                                          __nv_fp8_storage_t* __restrict__ q,
                                          float* __restrict__ scale_t, int64_t scale_ld,
                                          int64_t rows, int groups) {
   const int lane = threadIdx.x % 32;
-  const int64_t item = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (item >= rows * groups) return;
-  const int64_t r = item / groups;
-  const int g = int(item % groups);
-  const int64_t base = r * groups * kGroup + g * kGroup + lane * 4;
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + base);
-  const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  float amax = fmaxf(fmaxf(fabsf(v01.x), fabsf(v01.y)), fmaxf(fabsf(v23.x), fabsf(v23.y)));
+  const int64_t first = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) *
+                        kItemsPerWarp;
+  const int64_t items = rows * groups;
+  if (first >= items) return;
+  uint2 raw[kItemsPerWarp];
   CUTE_UNROLL
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float scale = amax > 0.f ? amax / 448.f : 1.f;
-  const __nv_fp8x2_storage_t lo =
-      __nv_cvt_float2_to_fp8x2(make_float2(v01.x / scale, v01.y / scale), __NV_SATFINITE, __NV_E4M3);
-  const __nv_fp8x2_storage_t hi =
-      __nv_cvt_float2_to_fp8x2(make_float2(v23.x / scale, v23.y / scale), __NV_SATFINITE, __NV_E4M3);
-  *reinterpret_cast<uint32_t*>(q + base) = uint32_t(lo) | (uint32_t(hi) << 16);
-  if (lane == 0) scale_t[int64_t(g) * scale_ld + r] = scale;
+  for (int j = 0; j < kItemsPerWarp; ++j) {  // item first + j is values [128 item, + 128)
+    raw[j] = first + j < items
+        ? __ldg(reinterpret_cast<const uint2*>(x + (first + j) * kGroup + lane * 4))
+        : make_uint2(0u, 0u);
+  }
+  CUTE_UNROLL
+  for (int j = 0; j < kItemsPerWarp; ++j) {
+    const int64_t item = first + j;
+    if (item >= items) break;
+    const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].x));
+    const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].y));
+    float amax = fmaxf(fmaxf(fabsf(v01.x), fabsf(v01.y)), fmaxf(fabsf(v23.x), fabsf(v23.y)));
+    CUTE_UNROLL
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0.f ? amax / 448.f : 1.f;
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(v01.x / scale, v01.y / scale), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(v23.x / scale, v23.y / scale), __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint32_t*>(q + item * kGroup + lane * 4) = uint32_t(lo) | (uint32_t(hi) << 16);
+    if (lane == 0) scale_t[int64_t(item % groups) * scale_ld + item / groups] = scale;
+  }
 }
 
 void quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_t) {
@@ -253,8 +271,8 @@ void quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& q, const at::
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t items = R * (K / kGroup);
   if (items == 0) return;
-  constexpr int kWarps = 8;
-  quantize_fp8_rows_kernel<<<int((items + kWarps - 1) / kWarps), 32 * kWarps, 0,
+  constexpr int kWarps = 8, kItemsPerBlock = kWarps * kItemsPerWarp;
+  quantize_fp8_rows_kernel<<<int((items + kItemsPerBlock - 1) / kItemsPerBlock), 32 * kWarps, 0,
                              at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<__nv_fp8_storage_t*>(q.data_ptr()), scale_t.data_ptr<float>(),
@@ -263,70 +281,78 @@ void quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& q, const at::
 }
 
 // 128 x 128 block quantisation of expert weights, as quantize_blockwise(w, block_rows=128):
-// one CTA per block (256 threads, 64 values each), q [E, N, K] and its transpose qt
-// [E, K, N] (the dgrads' layout: the same blocks, so the same scales), scale [E, N / 128,
-// K / 128]. The transpose goes through shared memory so both stores are coalesced.
-__global__ void quantize_fp8_blocks_kernel(const __nv_bfloat16* __restrict__ w,
-                                           __nv_fp8_storage_t* __restrict__ q,
-                                           __nv_fp8_storage_t* __restrict__ qt,
-                                           float* __restrict__ scale, int n, int k) {
-  __shared__ float warp_max[8];
-  __shared__ __nv_fp8_storage_t tile[128][128 + 4];
+// one CTA per block, q [E, N, K] and its transpose qt [E, K, N] (the dgrads' layout: the
+// same blocks, so the same scales), scale [E, N / 128, K / 128]. Every global access is a
+// warp covering whole 128-byte lines: thread t moves 8 values of row 16 p + t / 16 (pass p
+// of 8), columns 8 (t % 16) ..; the transpose goes through shared memory, whose row pitch
+// of 132 bytes lets the 16 lanes reading one column run on 16 banks.
+constexpr int kBlockThreads = 256, kBlockPasses = kGroup * kGroup / (8 * kBlockThreads);
+constexpr int kTilePitch = kGroup + 4;
+
+__global__ void __launch_bounds__(kBlockThreads)
+quantize_fp8_blocks_kernel(const __nv_bfloat16* __restrict__ w,
+                           __nv_fp8_storage_t* __restrict__ q,
+                           __nv_fp8_storage_t* __restrict__ qt, float* __restrict__ scale,
+                           int n, int k) {
+  __shared__ float warp_max[kBlockThreads / 32];
+  __shared__ __align__(16) uint8_t tile[kGroup * kTilePitch];
   const int nb = n / kGroup, kb = k / kGroup;
   const int e = blockIdx.x / (nb * kb), bn = (blockIdx.x / kb) % nb, bk = blockIdx.x % kb;
-  const __nv_bfloat16* src = w + (int64_t(e) * n + bn * kGroup) * k + bk * kGroup;
-  // Thread t holds row t / 2, columns 64 (t % 2) .. + 64: eight 16-byte loads.
-  const int row = threadIdx.x / 2, col0 = (threadIdx.x % 2) * 64;
-  float v[64];
+  const int sub_row = threadIdx.x / 16, col = (threadIdx.x % 16) * 8;
+  const __nv_bfloat16* src = w + (int64_t(e) * n + bn * kGroup) * k + bk * kGroup + col;
+  uint4 raw[kBlockPasses];
   CUTE_UNROLL
-  for (int j = 0; j < 8; ++j) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src + int64_t(row) * k + col0 + 8 * j);
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    CUTE_UNROLL
-    for (int p = 0; p < 4; ++p) {
-      const float2 f = __bfloat1622float2(pairs[p]);
-      v[8 * j + 2 * p] = f.x;
-      v[8 * j + 2 * p + 1] = f.y;
-    }
-  }
+  for (int p = 0; p < kBlockPasses; ++p)
+    raw[p] = __ldg(reinterpret_cast<const uint4*>(src + int64_t(16 * p + sub_row) * k));
   float amax = 0.f;
   CUTE_UNROLL
-  for (int i = 0; i < 64; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int p = 0; p < kBlockPasses; ++p) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(pairs[i]);
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
   CUTE_UNROLL
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
   __syncthreads();
   amax = warp_max[0];
   CUTE_UNROLL
-  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
+  for (int i = 1; i < kBlockThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
   const float s = amax > 0.f ? amax / 448.f : 1.f;
-  __nv_fp8_storage_t* dst = q + (int64_t(e) * n + bn * kGroup + row) * k + bk * kGroup + col0;
+  __nv_fp8_storage_t* dst = q + (int64_t(e) * n + bn * kGroup) * k + bk * kGroup + col;
   CUTE_UNROLL
-  for (int j = 0; j < 8; ++j) {
+  for (int p = 0; p < kBlockPasses; ++p) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[p]);
     uint32_t packed[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const int i = 8 * j + 4 * h;
+      const float2 f0 = __bfloat1622float2(pairs[2 * h]), f1 = __bfloat1622float2(pairs[2 * h + 1]);
       const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-          make_float2(v[i] / s, v[i + 1] / s), __NV_SATFINITE, __NV_E4M3);
+          make_float2(f0.x / s, f0.y / s), __NV_SATFINITE, __NV_E4M3);
       const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-          make_float2(v[i + 2] / s, v[i + 3] / s), __NV_SATFINITE, __NV_E4M3);
+          make_float2(f1.x / s, f1.y / s), __NV_SATFINITE, __NV_E4M3);
       packed[h] = uint32_t(lo) | (uint32_t(hi) << 16);
     }
-    *reinterpret_cast<uint2*>(dst + 8 * j) = make_uint2(packed[0], packed[1]);
-    CUTE_UNROLL
-    for (int b = 0; b < 8; ++b) tile[row][col0 + 8 * j + b] = (packed[b / 4] >> (8 * (b % 4))) & 0xff;
+    const int row = 16 * p + sub_row;
+    *reinterpret_cast<uint2*>(dst + int64_t(row) * k) = make_uint2(packed[0], packed[1]);
+    uint32_t* t32 = reinterpret_cast<uint32_t*>(tile + row * kTilePitch + col);
+    t32[0] = packed[0];
+    t32[1] = packed[1];
   }
   if (threadIdx.x == 0) scale[(int64_t(e) * nb + bn) * kb + bk] = s;
   __syncthreads();
-  // qt rows are K: thread t writes row t / 2 of the transposed block (columns = N).
-  __nv_fp8_storage_t* dst_t = qt + (int64_t(e) * k + bk * kGroup + row) * n + bn * kGroup + col0;
+  // qt row r (a K index) is tile column r: thread t gathers its 8 N values.
+  __nv_fp8_storage_t* dst_t = qt + (int64_t(e) * k + bk * kGroup) * n + bn * kGroup + col;
   CUTE_UNROLL
-  for (int j = 0; j < 16; ++j) {
-    uint32_t word = 0;
+  for (int p = 0; p < kBlockPasses; ++p) {
+    const int r = 16 * p + sub_row;
+    uint32_t word[2] = {0u, 0u};
     CUTE_UNROLL
-    for (int b = 0; b < 4; ++b) word |= uint32_t(tile[col0 + 4 * j + b][row]) << (8 * b);
-    *reinterpret_cast<uint32_t*>(dst_t + 4 * j) = word;
+    for (int b = 0; b < 8; ++b) word[b / 4] |= uint32_t(tile[(col + b) * kTilePitch + r]) << (8 * (b % 4));
+    *reinterpret_cast<uint2*>(dst_t + int64_t(r) * n) = make_uint2(word[0], word[1]);
   }
 }
 
@@ -345,7 +371,7 @@ void quantize_fp8_blocks_cuda(const at::Tensor& w, const at::Tensor& q, const at
   const int64_t blocks = E * (N / kGroup) * (K / kGroup);
   if (blocks == 0) return;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "megatron_mok: too many weight blocks");
-  quantize_fp8_blocks_kernel<<<int(blocks), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+  quantize_fp8_blocks_kernel<<<int(blocks), kBlockThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
       reinterpret_cast<__nv_fp8_storage_t*>(q.data_ptr()),
       reinterpret_cast<__nv_fp8_storage_t*>(qt.data_ptr()), scale.data_ptr<float>(), int(N),

@@ -44,11 +44,16 @@ struct Fp8TileStorage {
 // kCluster = 2: CTA pairs on neighbouring row tiles of one N tile multicast the B tile when
 // both rows belong to one expert (each CTA loads half of it for both), as the BF16 core's
 // MOK_GEMM_CLUSTER=2: L2->SM bytes per K tile 32 -> 24 KB.
-template <Epi kEpi, int kStages = 5, int kCluster_ = 1>
+//
+// kOverlap (MOK_FP8_PROMOTION=overlap): two partials, so that K tile k's WGMMAs run while
+// tile k - 1's partial is promoted (warpgroup_wait<1>) instead of the tensor core waiting
+// for the FMAs; the promotions keep their order, so the bits are the serial loop's.
+template <Epi kEpi, int kStages = 5, int kCluster_ = 1, bool kOverlap_ = false>
 struct Fp8GemmConfig {
   static_assert(kEpi == Epi::kStore || kEpi == Epi::kSwiGLU || kEpi == Epi::kSwiGLUBwd,
                 "FP8: fc1 + SwiGLU, plain rows and the fc2 dgrad + SwiGLU backward");
   static constexpr int BM = 128, BN = 128, BK = 128, Stages = kStages, kCluster = kCluster_;
+  static constexpr bool kOverlap = kOverlap_;
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr bool kGlu = false;
   static constexpr int kAct = 0;
@@ -153,6 +158,81 @@ __device__ __forceinline__ void fp8_load_task(Storage& smem, const TmaA& tma_a, 
   }
 }
 
+// Hand a K tile's stage back to the producer(s) once its WGMMAs are complete.
+template <class Cfg, class Storage>
+__device__ __forceinline__ void fp8_release_stage(Storage& smem, int stage,
+                                                  const EpilogueState& es) {
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  if constexpr (Cfg::kCluster == 1) {
+    EmptyBar::arrive(&smem.empty[stage]);
+  } else {  // one thread of this warpgroup per CTA of the cluster (both refill the stage)
+    EmptyBar::arrive(&smem.empty[stage], uint32_t(es.wg_thread), es.wg_thread < Cfg::kCluster);
+  }
+}
+
+// The kOverlap main loop (see Fp8GemmConfig): K tiles alternate between `part` and `part2`;
+// after issuing tile k, warpgroup_wait<1> completes tile k - 1, whose stage is released
+// and whose partial is promoted while tile k's WGMMAs run. The scales of a tile are read
+// when it is issued (its stage, with A's scales, may be refilled once released).
+template <class Cfg, class Storage, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void fp8_mma_task_overlapped(
+    Storage& smem, Mma& tiled_mma, FragA& tCrA, FragB& tCrB, Acc& accum, Acc& part,
+    Acc& part2, const float* sb_lo, const float* sb_hi, int row0, const Task& task,
+    const EpilogueState& es, RingPos& ring) {
+  using namespace cute;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kAcc = Cfg::BN / 2;
+  // Issue K tile k into P; sc = its (row lo, row hi) x (B block lo, hi) scales.
+  auto issue = [&](Acc& P, int k, float (&sc)[4], int& stage) {
+    const float b_lo = __ldg(sb_lo + k), b_hi = __ldg(sb_hi + k);
+    FullBar::wait(&smem.full[ring.stage], ring.phase);
+    compiler_fence();
+    const float a0 = smem.a_scale[ring.stage][row0], a1 = smem.a_scale[ring.stage][row0 + 8];
+    sc[0] = a0 * b_lo; sc[1] = a1 * b_lo; sc[2] = a0 * b_hi; sc[3] = a1 * b_hi;
+    stage = ring.stage;
+    warpgroup_fence_operand(P);
+    warpgroup_arrive();
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(tiled_mma, tCrA(_, _, kb, ring.stage), tCrB(_, _, kb, ring.stage), P);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    ring.advance<Cfg::Stages>();
+  };
+  // Tile in P is complete (the caller waited): release its stage, promote it.
+  auto retire = [&](Acc& P, const float (&sc)[4], int stage) {
+    warpgroup_fence_operand(P);
+    compiler_fence();
+    fp8_release_stage<Cfg>(smem, stage, es);
+    CUTE_UNROLL
+    for (int i = 0; i < size(accum); ++i) {
+      const float scale = i < kAcc / 2 ? sc[(i / 2) % 2] : sc[2 + (i / 2) % 2];
+      accum(i) = fmaf(P(i), scale, accum(i));
+    }
+  };
+  float sc0[4], sc1[4];
+  int stage0 = 0, stage1 = 0;
+  int k = task.k_begin;
+  issue(part, k++, sc0, stage0);
+  bool first_in_flight = true;  // the oldest tile in flight is in `part`
+  while (k < task.k_end) {
+    if (first_in_flight) {
+      issue(part2, k++, sc1, stage1);
+      warpgroup_wait<1>();
+      retire(part, sc0, stage0);
+    } else {
+      issue(part, k++, sc0, stage0);
+      warpgroup_wait<1>();
+      retire(part2, sc1, stage1);
+    }
+    first_in_flight = !first_in_flight;
+  }
+  warpgroup_wait<0>();
+  if (first_in_flight) retire(part, sc0, stage0); else retire(part2, sc1, stage1);
+}
+
 // Consumer warpgroup: K tiles [k_begin, k_end) of one task. Per K tile the WGMMAs fill
 // `part` from zero, and once they are complete (the stage is then handed back) the
 // promotion adds part * s_a * s_b into accum, which starts at zero. Accumulator element i
@@ -161,7 +241,7 @@ __device__ __forceinline__ void fp8_load_task(Storage& smem, const TmaA& tma_a, 
 // second half up columns.
 template <class Cfg, class Storage, class Mma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, FragA& tCrA,
-                                             FragB& tCrB, Acc& accum, Acc& part,
+                                             FragB& tCrB, Acc& accum, Acc& part, Acc& part2,
                                              const Fp8Scales& s, const Task& task,
                                              const EpilogueState& es, RingPos& ring) {
   using namespace cute;
@@ -183,6 +263,11 @@ __device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, Frag
   const int row0 = 64 * es.wg + es.row_t;
   CUTE_UNROLL
   for (int i = 0; i < size(accum); ++i) accum(i) = 0.f;
+  if constexpr (Cfg::kOverlap) {
+    fp8_mma_task_overlapped<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, part2, sb_lo, sb_hi,
+                                 row0, task, es, ring);
+    return;
+  }
   for (int k = task.k_begin; k < task.k_end; ++k) {
     const float b_lo = __ldg(sb_lo + k), b_hi = __ldg(sb_hi + k);
     FullBar::wait(&smem.full[ring.stage], ring.phase);
@@ -277,6 +362,7 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
     Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
     Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<Cfg::BM>, Int<Cfg::BN>>{});
     Tensor part = partition_fragment_C(tiled_mma, Shape<Int<Cfg::BM>, Int<Cfg::BN>>{});
+    Tensor part2 = partition_fragment_C(tiled_mma, Shape<Int<Cfg::BM>, Int<Cfg::BN>>{});
     static_assert(decltype(size(accum))::value == Cfg::BN / 2,
                   "one 64 x BN WGMMA accumulator per consumer warpgroup");
     Tensor tCcD = thr_mma.partition_C(make_identity_tensor(Shape<Int<Cfg::BM>, Int<Cfg::BN>>{}));
@@ -290,7 +376,8 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
       // kSwiGLUBwd reads h from global memory in the epilogue: ask L2 for it first.
       if constexpr (Cfg::epi == Epi::kSwiGLUBwd) prefetch_h<Cfg>(p, task, ctid);
       const bool has_k = task.k_begin < task.k_end;
-      if (has_k) fp8_mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, s, task, es, ring);
+      if (has_k)
+        fp8_mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, part2, s, task, es, ring);
       if (task.store) tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h);
     }
     if (es.wg_thread == 0) tma_store_wait<0>();

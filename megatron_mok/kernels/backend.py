@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from megatron_mok import knobs, routing_errors
 from megatron_mok.config import MoKConfig
-from megatron_mok.kernels import autotune, fp8_weight_cache, grouped_gemm, megakernel, ops
+from megatron_mok.kernels import (autotune, fp8_gemm, fp8_weight_cache, grouped_gemm,
+                                  megakernel, ops)
 from megatron_mok.kernels.launch_chain import (KernelSaved, backward_wgrad_path, bias_grads,
                                                dgrad_launches, expert_launches,
                                                fused_wgrad_targets, gather_rows, gemm_core,
@@ -187,7 +188,13 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
     row_w = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
     ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, dy_rows,
                   w_offset=arena.offset("topk_w"), row_w=row_w)
-    return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:])
+    # FP8 at EP = 1: dy quantised once per token and its E4M3 rows gathered (the bits of
+    # quantising the pulled rows, at 1 / K of the work); the bf16 rows feed the wgrads.
+    dy_fp8 = None
+    if saved.fp8 is not None and ws.ep_size == 1:
+        dy_fp8 = fp8_gemm.gather_quantized_rows(dy, sched.peer_rank, sched.peer_token)
+    return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:],
+                          dy_fp8)
 
 
 def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,

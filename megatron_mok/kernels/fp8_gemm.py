@@ -197,14 +197,18 @@ def gather_quantized_rows(x: torch.Tensor, peer_rank: torch.Tensor, peer_token: 
     into row-table order (row j = token peer_token[j]; padding rows, peer_rank < 0, are zeros
     with scale 1). A row's groups depend on its values alone, so these are the bits of
     quantize_rows(x_rows) at 1 / K of its work and half the bytes moved."""
-    xq, xs = quantize_rows(x)
-    valid = peer_rank >= 0
-    token = peer_token.clamp(min=0).long()
-    rows = torch.where(valid.unsqueeze(1), xq.view(torch.uint8)[token],
-                       torch.zeros((), dtype=torch.uint8, device=x.device)).view(FP8)
-    scale_t = torch.where(valid.unsqueeze(0), xs[:, token],
-                          torch.ones((), dtype=torch.float32, device=x.device))
-    return rows, scale_t
+    tokens, hidden = x.shape
+    # One row past the tokens quantises a zero row (values 0, scale 1): the padding rows
+    # gather it, so each output is one index_select (no masking pass over the rows).
+    xq = torch.empty(tokens + 1, hidden, dtype=FP8, device=x.device)
+    xs = torch.empty(hidden // GROUP_SIZE, -(-(tokens + 1) // 4) * 4, dtype=torch.float32,
+                     device=x.device)[:, :tokens + 1]
+    quantize_rows(x, xq[:tokens], xs[:, :tokens])
+    xq[tokens].view(torch.uint8).zero_()
+    xs[:, tokens].fill_(1.0)
+    token = torch.where(peer_rank >= 0, peer_token, tokens).long()
+    rows = xq.view(torch.uint8).index_select(0, token).view(FP8)
+    return rows, xs.index_select(1, token)
 
 
 def expert_forward(x_rows, w1, w2,
@@ -222,13 +226,15 @@ def expert_forward(x_rows, w1, w2,
     return rows_matmul(aq, as_, w2q, w2s, expert_offsets, num_rows, max_ctas=max_ctas), h
 
 
-def expert_dgrad(dy_rows: torch.Tensor, row_w: torch.Tensor, w1: Fp8Weight, w2: Fp8Weight,
+def expert_dgrad(dy_rows, row_w: torch.Tensor, w1: Fp8Weight, w2: Fp8Weight,
                  h: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
                  max_ctas: int = 0):
     """The FP8 experts' data gradients over the row table: dy rows quantised 1 x 128, fc2
     dgrad + router weight + SwiGLU backward, d_h quantised 1 x 128 (from its bf16 rounding),
-    fc1 dgrad against w1's transposed blocks. Returns (d_h, dots_part, act_scaled, dx_rows)."""
-    dyq, dys = quantize_rows(dy_rows)
+    fc1 dgrad against w1's transposed blocks. dy_rows: bf16 rows, or (E4M3 rows, scale_t)
+    already quantised (gather_quantized_rows of dy). Returns (d_h, dots_part, act_scaled,
+    dx_rows)."""
+    dyq, dys = dy_rows if isinstance(dy_rows, tuple) else quantize_rows(dy_rows)
     d_h, dots_part, act_scaled = dgrad_swiglu_routed(dyq, dys, row_w, w2, h, expert_offsets,
                                                      num_rows, max_ctas)
     dhq, dhs = quantize_rows(d_h)

@@ -73,20 +73,25 @@ class KernelSaved:
 
 def gather_rows(x: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
     """x_rows of the row table at EP = 1 (padding rows zero), bit-equal to a pull."""
-    valid = (sched.peer_rank >= 0).unsqueeze(1)
-    rows = x[sched.peer_token.clamp(min=0).long()]
-    return torch.where(valid, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+    # Padding rows gather a zero row appended to x: one index_select over the rows (a
+    # copy of x, 1 / K of their bytes, instead of a masking pass over all of them).
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    token = torch.where(sched.peer_rank >= 0, sched.peer_token, x.shape[0]).long()
+    return padded.index_select(0, token)
 
 
 
 def dgrad_launches(core: str, sched: MoKSchedule, saved: KernelSaved, dy_rows: torch.Tensor,
-                   row_w: torch.Tensor, offs: torch.Tensor) -> megakernel.DataGradients:
+                   row_w: torch.Tensor, offs: torch.Tensor,
+                   dy_fp8: Optional[tuple] = None) -> megakernel.DataGradients:
     """v1: fc2 dgrad with the router weights and the activation's backward, then fc1 dgrad,
-    as separate launches, from the pulled dy rows and their weights."""
+    as separate launches, from the pulled dy rows and their weights. dy_fp8: FP8 passes at
+    EP = 1, the dy rows already quantised (per token, then gathered)."""
     activation = saved.activation
     if saved.fp8 is not None:  # blockwise FP8 (SwiGLU experts on the core)
         d_h, dots_part, act_scaled, dx_rows = fp8_gemm.expert_dgrad(
-            dy_rows, row_w, *saved.fp8, saved.h, sched.expert_offsets, sched.num_rows)
+            dy_fp8 if dy_fp8 is not None else dy_rows, row_w, *saved.fp8, saved.h,
+            sched.expert_offsets, sched.num_rows)
     elif core == "mok" and not activation.gated:
         d_h, dots_part, act_scaled = grouped_gemm.dgrad_act_routed(
             dy_rows, row_w, saved.w2, saved.h, sched.expert_offsets, sched.num_rows, activation)

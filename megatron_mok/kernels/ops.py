@@ -141,7 +141,7 @@ def _push_knobs(values: dict) -> None:
         values["MOK_GEMM_SCHEDULER"] == "static", int(values["MOK_GEMM_CLUSTER"]),
         values["MOK_GEMM_PINGPONG"] == "1", values["MOK_DGRAD_H"] == "global",
         ("lines", "tma", "rows").index(values["MOK_MEGAKERNEL_GATHER"]),
-        int(values["MOK_MOVER_WARPS"]))
+        int(values["MOK_MOVER_WARPS"]), values["MOK_FP8_PROMOTION"] == "overlap")
 
 
 knobs.on_reload(_push_knobs)
