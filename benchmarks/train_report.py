@@ -4,7 +4,7 @@ expert weight gradients fused into main_grad (`mokfused`) strays from `mok`.
 
     python -m benchmarks.train_report LOG... [--out DIR]
 
-Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2, mokfused}. Tokens/s is the
+Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2, mokfused, mokfp8, mokfp82}. Tokens/s is the
 median over steps after the first 5 (warm-up); a config named `<name>-ep<N>` ran on N GPUs
 and also gets tokens/s per GPU. Writes <date>-<gpu>-train-ep1.json (…-train-ep<N>.json when
 every config is an EP-N run; <gpu> from MOK_GPU_NAME, else the visible GPU, else "gpu"),
@@ -70,6 +70,21 @@ def summarise(runs: dict) -> dict:
             entry["max_abs_loss_diff_fused_vs_mok"] = max(
                 abs(a - b) for a, b in zip(mok["loss"][:n], fused["loss"][:n]))
             entry["tokens_per_s_fused"] = tput(fused)
+        fp8, fp82 = by_run.get("mokfp8"), by_run.get("mokfp82")
+        if mok and fp8 and mok["loss"] and fp8["loss"]:
+            n = min(len(mok["loss"]), len(fp8["loss"]))
+            # The bar: the FP8 run's final loss within 1 % of the BF16 run's (the
+            # mean of the last 10 steps as well: one step's loss is noisy).
+            tail = min(10, n)
+            bf16_tail = statistics.mean(mok["loss"][n - tail:n])
+            fp8_tail = statistics.mean(fp8["loss"][n - tail:n])
+            entry["fp8"] = {
+                "steps": n, "final_loss": {"bf16": mok["loss"][n - 1], "fp8": fp8["loss"][n - 1]},
+                "final_loss_rel_diff": fp8["loss"][n - 1] / mok["loss"][n - 1] - 1.0,
+                "last10_mean_rel_diff": fp8_tail / bf16_tail - 1.0,
+                "tokens_per_s": {"bf16": tput(mok), "fp8": tput(fp8)},
+                "runs_identical": bool(fp82 and fp82["loss"] == fp8["loss"]) if fp82 else None,
+            }
         out[cfg] = entry
     return out
 
@@ -97,7 +112,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs: dict = {}
     for log in args.logs:
-        m = re.match(r"train_(.+)_(mok2|mokfused|mok|alltoall)\.log$", os.path.basename(log))
+        m = re.match(r"train_(.+)_(mokfp82|mokfp8|mok2|mokfused|mok|alltoall)\.log$",
+                     os.path.basename(log))
         if m:
             runs.setdefault(m[1], {})[m[2]] = parse(Path(log))
     summary = summarise(runs)

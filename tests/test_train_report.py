@@ -72,3 +72,20 @@ def test_result_file_names_the_gpu_and_the_tree(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert data["source_commit"] and len(data["source_commit"]) == 40
     assert data["git_dirty"] in (True, False)
+
+
+def test_fp8_runs_are_compared_with_the_bf16_run(tmp_path):
+    mok = [6.9, 6.5, 6.1, 5.8, 5.5, 5.2, 5.0]
+    fp8 = [x * 1.004 for x in mok]
+    _log(tmp_path / "train_tiny_mok.log", mok, tps=2000)
+    _log(tmp_path / "train_tiny_mokfp8.log", fp8, tps=2600)
+    _log(tmp_path / "train_tiny_mokfp82.log", fp8, tps=2600)
+    logs = sorted(str(p) for p in tmp_path.glob("*.log"))
+    assert train_report.main(logs + ["--out", str(tmp_path)]) == 0
+    runs = {"tiny": {k: train_report.parse(tmp_path / f"train_tiny_{k}.log")
+                     for k in ("mok", "mokfp8", "mokfp82")}}
+    entry = train_report.summarise(runs)["tiny"]["fp8"]
+    assert entry["steps"] == 7 and entry["runs_identical"] is True
+    assert abs(entry["final_loss_rel_diff"] - 0.004) < 1e-5
+    assert abs(entry["last10_mean_rel_diff"] - 0.004) < 1e-5
+    assert entry["tokens_per_s"] == {"bf16": 2005.5, "fp8": 2605.5}
