@@ -47,9 +47,11 @@ from megatron_mok.reference import rel_l2
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("mok", "sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall", "mok-fp8",
-            "mok-fp8-reuse")
-FP8_BACKENDS = ("mok-fp8", "mok-fp8-reuse")  # not in the default list (opt-in kernels)
-BASELINES = ("sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall")
+            "mok-fp8-reuse", "torch-fp8")
+# The FP8 layers (not in the default list: the FP8 kernels are opt-in); torch-fp8 is the
+# unfused row-wise FP8 baseline (benchmarks/torch_fp8.py).
+FP8_BACKENDS = ("mok-fp8", "mok-fp8-reuse", "torch-fp8")
+BASELINES = ("sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall", "torch-fp8")
 HOST_CALLS = 5  # layer calls timed on the host alone (each after a sync, none inside)
 PASSES = ("fwd", "bwd")
 CHECK_TOL = 1e-2
@@ -137,14 +139,17 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
                       shared_w2: Optional[torch.Tensor] = None, *,
                       has_dropped_routes: bool = False, activation=None,
                       b1: Optional[torch.Tensor] = None,
-                      b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      b2: Optional[torch.Tensor] = None,
+                      linear: Callable = None) -> torch.Tensor:
     """The unfused PyTorch MoE layer ("NCCL + PyTorch" at EP=1), differentiable.
 
     x [T, H]; topk_idx [T, K] expert ids in [0, E) (-1 only with has_dropped_routes);
     topk_w [T, K] fp32; w1 [E, 2I, H] = [gate; up]; w2 [E, H, I]; shared [2Is, H], [H, Is].
     activation: a megatron_mok ExpertActivation (None: SwiGLU); b1 [E, 2I] / b2 [E, H]: the
-    experts' biases. No host synchronisation on the GPU.
+    experts' biases. linear: the experts' grouped GEMM (grouped_linear; torch-fp8's
+    fp8_grouped_linear). No host synchronisation on the GPU.
     """
+    linear = linear or grouped_linear
     num_tokens, hidden = x.shape
     topk = topk_idx.shape[1]
     num_experts = w1.shape[0]
@@ -155,7 +160,7 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
     counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
     offs = counts[:num_experts].cumsum(0, dtype=torch.int32)    # group ends
     x_perm = x.index_select(0, order // topk)                     # permute
-    h = grouped_linear(x_perm, w1, offs)                          # fc1 [TK, 2I]
+    h = linear(x_perm, w1, offs)                                  # fc1 [TK, 2I]
     expert_of = key.index_select(0, order).clamp(max=num_experts - 1) if b1 is not None else None
     if b1 is not None:  # in fp32: the bias gradients then sum in fp32 too
         h = h + b1.float().index_select(0, expert_of)
@@ -164,7 +169,7 @@ def torch_unfused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
         act = (F.silu(gate) * up).to(x.dtype)                     # SwiGLU
     else:
         act = activation(h).to(x.dtype)
-    out = grouped_linear(act, w2, offs)                           # fc2 [TK, H]
+    out = linear(act, w2, offs)                                   # fc2 [TK, H]
     if b2 is not None:
         out = out + b2.float().index_select(0, expert_of)
     inverse = torch.empty_like(order).scatter_(
@@ -306,14 +311,21 @@ class Backend:
 class TorchUnfusedBackend(Backend):
     name = "torch-unfused"
 
-    def __init__(self, weights: Weights, device, activation=None):
+    def __init__(self, weights: Weights, device, activation=None, fp8: bool = False):
         super().__init__(weights)
         self.activation = activation
+        self.linear = None
         self.info = {"grouped_gemm": grouped_mm_impl(device, weights.w1.dtype)}
+        if fp8:  # the routed experts' GEMMs in row-wise FP8 (the shared expert stays BF16)
+            from benchmarks.torch_fp8 import fp8_grouped_linear
+            self.name, self.linear = "torch-fp8", fp8_grouped_linear
+            self.info = {"grouped_gemm": "torch._scaled_grouped_mm (row-wise E4M3)"
+                         if torch.device(device).type == "cuda" else "dequantised loop"}
 
     def run(self, inp):
         return torch_unfused_moe(inp["x"], inp["topk_idx"], inp["topk_w"], *self.weights.tensors(),
-                                 activation=self.activation, **self.weights.biases())
+                                 activation=self.activation, **self.weights.biases(),
+                                 linear=self.linear)
 
 
 class MokBackend(Backend):
@@ -595,6 +607,10 @@ def make_backend(name: str, local: S.LocalShape, weights: Weights, device, args)
     if name == "mok-fp8-reuse":  # the same, weights quantised once per step (reused)
         return MokBackend(weights, device, args.mok_backend, local.activation, fp8=True,
                           reuse_fp8_weights=True)
+    if name == "torch-fp8":
+        if local.activation != "swiglu" or local.expert_bias:
+            raise ValueError("torch-fp8 runs plain SwiGLU experts without biases only")
+        return TorchUnfusedBackend(weights, device, fp8=True)
     if name == "torch-unfused":
         plain = local.activation == "swiglu"
         return TorchUnfusedBackend(weights, device, None if plain else S.activation_of(local.activation))

@@ -2,7 +2,7 @@
 # The FP8 kernels on a GPU machine with the extension built: their GPU tests (the layer
 # tests with their printed errors), the FP8 GEMM benchmark (FP8 vs the BF16 core, dense
 # peaks; serial and overlapped promotion), a kernel-time breakdown of the FP8 layer and the
-# layer benchmark's mok vs mok-fp8 / mok-fp8-reuse. Everything lands in one archive,
+# layer benchmark's mok vs mok-fp8 / mok-fp8-reuse / torch-fp8. Everything lands in one archive,
 # ${OUT:-gpu_out}/fp8_check.tgz (the device tool returns a few files only), with a summary
 # on stdout. Each part has its own time limit (seconds):
 #   TESTS_TIMEOUT=120 GEMM_TIMEOUT=60 BREAKDOWN_TIMEOUT=90 LAYER_TIMEOUT=150
@@ -36,7 +36,7 @@ if [ "${BREAKDOWN:-1}" = 1 ]; then
     --backend mok-fp8 --top 14 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/breakdown_fp8.log" | tail -34
 fi
 MOK_FP8_PROMOTION=${LAYER_PROMOTION:-serial} timeout "${LAYER_TIMEOUT:-150}" $PY -m benchmarks.layer \
-  --shapes "${LAYER_SHAPES:-qwen3-30b-a3b}" --tokens 8192 --backends mok,mok-fp8,mok-fp8-reuse \
+  --shapes "${LAYER_SHAPES:-qwen3-30b-a3b}" --tokens 8192 --backends mok,mok-fp8,mok-fp8-reuse,torch-fp8 \
   --iters 15 --warmup 5 --out "$OUT" 2>&1 | tr '\r' '\n' | grep -v '%|' > "$OUT/layer.log"
 tail -8 "$OUT/layer.log"
 tar czf "$FINAL_OUT/fp8_check.tgz" -C "$OUT" .

@@ -558,6 +558,33 @@ def test_layer_ep_harness_on_two_gloo_ranks(tmp_path):
     assert all({"torch-a2a", "megatron-alltoall"} <= set(r["speedup"]) for r in mok)
 
 
+@pytest.mark.parametrize("shape_name", ["tiny", "tiny-noshared"])
+def test_torch_fp8_baseline_is_the_layer_in_row_wise_fp8(shape_name):
+    """torch-fp8 (dequantised products on the CPU): the BF16 layer within the FP8 bound, and
+    visibly quantised (not the BF16 layer under another name)."""
+    local = S.ep8_proxy(S.get_shape(shape_name))
+    weights = L.make_weights(local, "cpu", seed=0)
+    case = L.make_case(local, 96, "skewed", "cpu", seed=0)
+    ref = L.reference_outputs(case, weights, want_grads=True)
+    backend = L.make_backend("torch-fp8", local, weights, "cpu", L.parse_args([]))
+    assert backend.name == "torch-fp8"
+    result = L.check_backend(backend, case, ref)
+    assert 1e-3 < result["fwd_rel_l2"] < L.FP8_CHECK_TOL
+    assert result["bwd_rel_l2_max"] < L.FP8_CHECK_TOL, result["bwd_rel_l2"]
+    assert set(result["bwd_rel_l2"]) >= {"dx", "d_topk_w", "dw1", "dw2"}
+
+
+def test_row_wise_quantiser_scales_each_row_to_the_e4m3_range():
+    from benchmarks.torch_fp8 import E4M3_MAX, quantize_rowwise
+    t = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 3
+    t[2] = 0  # an all-zero row stays zero
+    q, scale = quantize_rowwise(t)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5,)
+    assert torch.equal(q.float().abs().amax(dim=1)[[0, 1, 3, 4]], torch.full((4,), E4M3_MAX))
+    assert torch.all(q[2].float() == 0)
+    assert L.rel_l2(q.float() * scale[:, None], t) < 0.05
+
+
 def test_breakdown_categories_name_our_kernels_and_torch_gemms():
     from benchmarks import breakdown
     assert breakdown.category("void megatron_mok::moe_forward_kernel<...>") == "megakernel"
@@ -571,6 +598,9 @@ def test_breakdown_categories_name_our_kernels_and_torch_gemms():
         == "torch gemm"
     assert breakdown.category("void at::native::index_put_kernel") == "schedule / index"
     assert breakdown.category("void at::native::vectorized_elementwise_kernel") == "other"
+    assert breakdown.category("void megatron_mok::gemm::grouped_fp8_kernel<Cfg>") == \
+        "fp8 gemm (core)"
+    assert breakdown.category("megatron_mok::quantize_fp8_rows_kernel(...)") == "fp8 quantise"
 
 
 @pytest.mark.parametrize("layout", ["te", "sequential"])
