@@ -9,7 +9,8 @@
 # GPU; "qwen3-ep8" = the 16-layer Qwen3-30B-A3B config at EP 8 on an 8-GPU machine, issue
 # 7's end-to-end run), STEPS (50), RUN_TIMEOUT (seconds per run; 240, qwen3-ep8 900), RUNS
 # (default "mok alltoall mok2 mokfused"; "mokfp8" / "mokfp82": `mok` with --mok-fp8 blockwise
-# on the FP8 kernels, MOK_FP8_KERNELS=1, run twice for identical losses).
+# on the FP8 kernels, MOK_FP8_KERNELS=1, run twice for identical losses), EXTRA (flags
+# appended to every run, e.g. "--global-batch-size 4": the last occurrence wins).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -39,7 +40,7 @@ for cfg in ${CONFIGS:-tiny qwen3}; do
     [ "$run" = mokfused ] && disp=mok fused=(--mok-main-grad-fusion on)
     [ "$disp" = mokfp8 ] && disp=mok fused=(--mok-fp8 blockwise) fp8=1
     MOK_FP8_KERNELS=$fp8 NPROC=$nproc timeout "$limit" bash examples/train.sh "$file" "$disp" "${common[@]}" "${extra[@]}" \
-      "${fused[@]}" > "$OUT/train_${cfg}_${run}.log" 2>&1
+      "${fused[@]}" ${EXTRA:-} > "$OUT/train_${cfg}_${run}.log" 2>&1
     echo "$cfg $run exit $?: $(grep -cF '[megatron_mok] step' "$OUT/train_${cfg}_${run}.log") steps"
   done
 done
