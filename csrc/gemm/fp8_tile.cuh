@@ -170,12 +170,14 @@ __device__ __forceinline__ void fp8_release_stage(Storage& smem, int stage,
   }
 }
 
-// The kOverlap main loop (see Fp8GemmConfig): K tiles alternate between `part` and `part2`;
-// after issuing tile k, warpgroup_wait<1> completes tile k - 1, whose stage is released
-// and whose partial is promoted while tile k's WGMMAs run. The scales of a tile are read
-// when it is issued (its stage, with A's scales, may be refilled once released).
+// The K tiles of one task: each is issued into a partial, completed, its stage released
+// and the partial promoted. Serial: one partial, each tile completed (wait<0>) before the
+// next is issued. kOverlap (see Fp8GemmConfig): tiles alternate between `part` and
+// `part2`; after issuing tile k, warpgroup_wait<1> completes tile k - 1, whose partial is
+// promoted while tile k's WGMMAs run. The scales of a tile are read when it is issued
+// (its stage, with A's scales, may be refilled once released).
 template <class Cfg, class Storage, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void fp8_mma_task_overlapped(
+__device__ __forceinline__ void fp8_mma_k_tiles(
     Storage& smem, Mma& tiled_mma, FragA& tCrA, FragB& tCrB, Acc& accum, Acc& part,
     Acc& part2, const float* sb_lo, const float* sb_hi, int row0, const Task& task,
     const EpilogueState& es, RingPos& ring) {
@@ -214,6 +216,14 @@ __device__ __forceinline__ void fp8_mma_task_overlapped(
   };
   float sc0[4], sc1[4];
   int stage0 = 0, stage1 = 0;
+  if constexpr (!Cfg::kOverlap) {
+    for (int k = task.k_begin; k < task.k_end; ++k) {
+      issue(part, k, sc0, stage0);
+      warpgroup_wait<0>();
+      retire(part, sc0, stage0);
+    }
+    return;
+  }
   int k = task.k_begin;
   issue(part, k++, sc0, stage0);
   bool first_in_flight = true;  // the oldest tile in flight is in `part`
@@ -233,9 +243,9 @@ __device__ __forceinline__ void fp8_mma_task_overlapped(
   if (first_in_flight) retire(part, sc0, stage0); else retire(part2, sc1, stage1);
 }
 
-// Consumer warpgroup: K tiles [k_begin, k_end) of one task. Per K tile the WGMMAs fill
-// `part` from zero, and once they are complete (the stage is then handed back) the
-// promotion adds part * s_a * s_b into accum, which starts at zero. Accumulator element i
+// Consumer warpgroup: K tiles [k_begin, k_end) of one task (fp8_mma_k_tiles). Per K tile
+// the WGMMAs fill a partial from zero, and once they are complete (the stage is then
+// handed back) the promotion adds part * s_a * s_b into accum, which starts at zero. Accumulator element i
 // of a thread is row row_t + 8 * ((i / 2) % 2) of the warpgroup's slice (tile.cuh); with
 // kSplit = 2 its first half is gate columns (B block gate_blocks's... see Fp8Scales), the
 // second half up columns.
@@ -245,9 +255,6 @@ __device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, Frag
                                              const Fp8Scales& s, const Task& task,
                                              const EpilogueState& es, RingPos& ring) {
   using namespace cute;
-  using FullBar = cutlass::arch::ClusterTransactionBarrier;
-  using EmptyBar = cutlass::arch::ClusterBarrier;
-  constexpr int kAcc = Cfg::BN / 2;
   // B's scale rows of this tile: kStore one block (BN = 128 rows), kSwiGLU the gate block
   // and the up block of its 64 + 64 rows.
   const float* b_scale = s.b_scale + int64_t(task.expert) * s.b_blocks_n * s.k_blocks;
@@ -263,42 +270,8 @@ __device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, Frag
   const int row0 = 64 * es.wg + es.row_t;
   CUTE_UNROLL
   for (int i = 0; i < size(accum); ++i) accum(i) = 0.f;
-  if constexpr (Cfg::kOverlap) {
-    fp8_mma_task_overlapped<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, part2, sb_lo, sb_hi,
-                                 row0, task, es, ring);
-    return;
-  }
-  for (int k = task.k_begin; k < task.k_end; ++k) {
-    const float b_lo = __ldg(sb_lo + k), b_hi = __ldg(sb_hi + k);
-    FullBar::wait(&smem.full[ring.stage], ring.phase);
-    compiler_fence();
-    const float a0 = smem.a_scale[ring.stage][row0], a1 = smem.a_scale[ring.stage][row0 + 8];
-    warpgroup_fence_operand(part);
-    warpgroup_arrive();
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-      cute::gemm(tiled_mma, tCrA(_, _, kb, ring.stage), tCrB(_, _, kb, ring.stage), part);
-      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(part);
-    compiler_fence();
-    if constexpr (Cfg::kCluster == 1) {
-      EmptyBar::arrive(&smem.empty[ring.stage]);
-    } else {  // one thread of this warpgroup per CTA of the cluster (both refill the stage)
-      EmptyBar::arrive(&smem.empty[ring.stage], uint32_t(es.wg_thread),
-                       es.wg_thread < Cfg::kCluster);
-    }
-    ring.advance<Cfg::Stages>();
-    const float s_lo[2] = {a0 * b_lo, a1 * b_lo}, s_hi[2] = {a0 * b_hi, a1 * b_hi};
-    CUTE_UNROLL
-    for (int i = 0; i < size(accum); ++i) {
-      const float sc = i < kAcc / 2 ? s_lo[(i / 2) % 2] : s_hi[(i / 2) % 2];
-      accum(i) = fmaf(part(i), sc, accum(i));
-    }
-  }
+  fp8_mma_k_tiles<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, part2, sb_lo, sb_hi, row0,
+                       task, es, ring);
 }
 
 // The standalone FP8 grouped-GEMM kernel (kRows; clusters of 1). Tasks from the global
