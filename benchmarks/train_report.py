@@ -22,14 +22,20 @@ import statistics
 from pathlib import Path
 
 STEP = re.compile(r"\[megatron_mok\] step (\d+)/\d+ \| lm loss ([0-9.eE+-]+) \| ([0-9.]+) ms "
-                  r"\| ([0-9.]+) tokens/s")
+                  r"\| ([0-9.]+) tokens/s(?: \| ([0-9.]+) TFLOP/s/GPU)?(?: \| peak ([0-9.]+) GiB)?")
 
 
 def parse(path: Path) -> dict:
-    steps = [(int(m[1]), float(m[2]), float(m[3]), float(m[4]))
-             for m in STEP.finditer(path.read_text(errors="replace"))]
-    return {"loss": [s[1] for s in steps], "ms": [s[2] for s in steps],
-            "tokens_per_s": [s[3] for s in steps]}
+    """A run's per-step loss, ms and tokens/s; on a GPU also Megatron's model TFLOP/s per
+    GPU and the rank's peak allocated memory (GiB) where the step line has them."""
+    steps = list(STEP.finditer(path.read_text(errors="replace")))
+    run = {"loss": [float(m[2]) for m in steps], "ms": [float(m[3]) for m in steps],
+           "tokens_per_s": [float(m[4]) for m in steps]}
+    if steps and steps[-1][5]:
+        run["tflops_per_gpu"] = [float(m[5]) for m in steps if m[5]]
+    if steps and steps[-1][6]:
+        run["peak_mem_gib"] = max(float(m[6]) for m in steps if m[6])
+    return run
 
 
 def num_gpus(cfg: str) -> int:
@@ -38,15 +44,22 @@ def num_gpus(cfg: str) -> int:
     return int(m[1]) if m else 1
 
 
-def summarise(runs: dict) -> dict:
+def tail_median(values):
+    """Median over the steps after the first 5 (warm-up), all of them for shorter runs."""
+    tail = values[5:] or values
+    return statistics.median(tail) if tail else None
+
+
+def summarise(runs: dict, peak_tflops: float | None = None) -> dict:
+    """Per config: mok vs alltoall (loss, tokens/s, TFLOP/s and MFU against peak_tflops,
+    peak memory), identical repeats, the fused-main_grad and FP8 runs against mok."""
     out = {}
     for cfg, by_run in sorted(runs.items()):
         entry = {"runs": by_run}
         mok, a2a, mok2 = (by_run.get(k) for k in ("mok", "alltoall", "mok2"))
 
         def tput(r):
-            tail = r["tokens_per_s"][5:] or r["tokens_per_s"]
-            return statistics.median(tail) if tail else None
+            return tail_median(r["tokens_per_s"])
 
         if mok and a2a and mok["loss"] and a2a["loss"]:
             n = min(len(mok["loss"]), len(a2a["loss"]))
@@ -61,6 +74,14 @@ def summarise(runs: dict) -> dict:
             entry["gpus"] = gpus
             entry["tokens_per_s_per_gpu"] = {k: (v / gpus if v else v)
                                              for k, v in entry["tokens_per_s"].items()}
+            if mok.get("tflops_per_gpu") and a2a.get("tflops_per_gpu"):
+                entry["tflops_per_gpu"] = {k: tail_median(r["tflops_per_gpu"])
+                                           for k, r in (("mok", mok), ("alltoall", a2a))}
+                if peak_tflops:
+                    entry["mfu"] = {k: v / peak_tflops for k, v in entry["tflops_per_gpu"].items()}
+            if "peak_mem_gib" in mok and "peak_mem_gib" in a2a:
+                entry["peak_mem_gib"] = {"mok": mok["peak_mem_gib"],
+                                         "alltoall": a2a["peak_mem_gib"]}
         if mok and mok2 and mok["loss"]:
             entry["mok_runs_identical"] = mok["loss"] == mok2["loss"]
         fused = by_run.get("mokfused")
@@ -109,6 +130,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the GPU's measured dense BF16 peak: MFU = model TFLOP/s / this")
     args = p.parse_args(argv)
     runs: dict = {}
     for log in args.logs:
@@ -116,7 +139,7 @@ def main(argv=None) -> int:
                      os.path.basename(log))
         if m:
             runs.setdefault(m[1], {})[m[2]] = parse(Path(log))
-    summary = summarise(runs)
+    summary = summarise(runs, args.peak_tflops)
     for cfg, e in summary.items():
         print(cfg, {k: v for k, v in e.items() if k != "runs"})
     out = Path(args.out)
@@ -128,7 +151,9 @@ def main(argv=None) -> int:
     commit, dirty, _ = source_state()
     path.write_text(json.dumps({"benchmark": "train-ep1",
                                 "source_commit": os.environ.get("MOK_SOURCE_COMMIT") or commit,
-                                "git_dirty": dirty, "configs": summary}, indent=1))
+                                "git_dirty": dirty, "peak_tflops": args.peak_tflops,
+                                "impl": os.environ.get("IMPL", "local"),
+                                "configs": summary}, indent=1))
     print(f"results: {path}")
     return 0
 

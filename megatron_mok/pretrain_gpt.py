@@ -9,6 +9,9 @@ and the `--mok-*` knobs. Mock data works with `--mock-data --tokenizer-type Null
 and trains on the CPU with gloo. Besides Megatron's own logs it prints one line per step:
 
     [megatron_mok] step 3/20 | lm loss 10.374512 | 412.3 ms | 4967 tokens/s
+
+and on a GPU also `| 123.4 TFLOP/s/GPU | peak 12.34 GiB` (Megatron's FLOP count of the
+batch per GPU, torch's peak allocated memory of this rank).
 """
 
 from __future__ import annotations
@@ -289,6 +292,16 @@ def forward_step(data_iterator, model):
 # per-step line
 # --------------------------------------------------------------------------------------
 
+def _model_flops(mt_training, margs, global_batch: int):
+    """Megatron's own FLOP count of one global batch (what its throughput log uses), or
+    None where this Megatron has none for the config."""
+    count = getattr(mt_training, "num_floating_point_operations", None)
+    try:
+        return float(count(margs, global_batch)) if count else None
+    except Exception:  # a config its formula does not cover: no MFU, the step still logs
+        return None
+
+
 def _install_step_logger():
     """Wrap megatron.training.training.train_step: time each step, print loss and tokens/s."""
     import torch
@@ -317,8 +330,14 @@ def _install_step_logger():
             tokens = get_current_global_batch_size() * margs.seq_length
             loss = loss_dict.get("lm loss")
             loss = float(loss) if loss is not None else float("nan")
-            print(f"{STEP_LINE_PREFIX} {step}/{margs.train_iters} | lm loss {loss:.6f} | "
-                  f"{1000.0 * elapsed:.1f} ms | {tokens / elapsed:.0f} tokens/s", flush=True)
+            line = (f"{STEP_LINE_PREFIX} {step}/{margs.train_iters} | lm loss {loss:.6f} | "
+                    f"{1000.0 * elapsed:.1f} ms | {tokens / elapsed:.0f} tokens/s")
+            if torch.cuda.is_available():  # what MFU and memory tables need, per GPU
+                flops = _model_flops(mt_training, margs, get_current_global_batch_size())
+                if flops:
+                    line += f" | {flops / elapsed / world / 1e12:.1f} TFLOP/s/GPU"
+                line += f" | peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+            print(line, flush=True)
         return out
 
     timed_train_step._mok_step_logger = True

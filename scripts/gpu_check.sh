@@ -35,9 +35,7 @@ if [ "${SONIC:-0}" = 1 ]; then
   $PY -c "import sonicmoe; print('sonicmoe importable')" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 fi
 
-if [ "${TE:-0}" = 1 ]; then
-  mkdir -p /tmp/te && tar -C /tmp/te -xJf .te/te_h200_bundle.tar.xz
-  export PYTHONPATH=/tmp/te/site:$PYTHONPATH LD_PRELOAD=/tmp/te/shim/libte_cublaslt_shim.so
+if [ "${TE:-0}" = 1 ]; then  # unpacked by gpu_env.sh
   $PY -c "import torch, transformer_engine.pytorch; print('transformer_engine importable')" 2>&1 \
     | tail -1 | tee -a "$OUT/gpu.txt"
 fi

@@ -10,12 +10,15 @@
 # 7's end-to-end run), STEPS (50), RUN_TIMEOUT (seconds per run; 240, qwen3-ep8 900), RUNS
 # (default "mok alltoall mok2 mokfused"; "mokfp8" / "mokfp82": `mok` with --mok-fp8 blockwise
 # on the FP8 kernels, MOK_FP8_KERNELS=1, run twice for identical losses), EXTRA (flags
-# appended to every run, e.g. "--global-batch-size 4": the last occurrence wins).
+# appended to every run, e.g. "--global-batch-size 4": the last occurrence wins), IMPL=te
+# (Transformer Engine everywhere else in the model, configs/te.args; TE=1 unpacks it, logs
+# train_<config>-te_<run>.log), PEAK_TFLOPS (the GPU's dense BF16 peak, for MFU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 export PYTHON=$PY
 steps=${STEPS:-50}
+tag=$([ "${IMPL:-local}" = te ] && echo -te)
 common=(--train-iters "$steps" --log-interval 1 --deterministic-mode --bf16)
 for cfg in ${CONFIGS:-tiny qwen3}; do
   nproc=1 limit=${RUN_TIMEOUT:-240}
@@ -40,8 +43,8 @@ for cfg in ${CONFIGS:-tiny qwen3}; do
     [ "$run" = mokfused ] && disp=mok fused=(--mok-main-grad-fusion on)
     [ "$disp" = mokfp8 ] && disp=mok fused=(--mok-fp8 blockwise) fp8=1
     MOK_FP8_KERNELS=$fp8 NPROC=$nproc timeout "$limit" bash examples/train.sh "$file" "$disp" "${common[@]}" "${extra[@]}" \
-      "${fused[@]}" ${EXTRA:-} > "$OUT/train_${cfg}_${run}.log" 2>&1
-    echo "$cfg $run exit $?: $(grep -cF '[megatron_mok] step' "$OUT/train_${cfg}_${run}.log") steps"
+      "${fused[@]}" ${EXTRA:-} > "$OUT/train_${cfg}${tag}_${run}.log" 2>&1
+    echo "$cfg$tag $run exit $?: $(grep -cF '[megatron_mok] step' "$OUT/train_${cfg}${tag}_${run}.log") steps"
   done
 done
-$PY -m benchmarks.train_report "$OUT"/train_*.log --out "$OUT"
+$PY -m benchmarks.train_report "$OUT"/train_*.log --out "$OUT" ${PEAK_TFLOPS:+--peak-tflops $PEAK_TFLOPS}

@@ -89,3 +89,20 @@ def test_fp8_runs_are_compared_with_the_bf16_run(tmp_path):
     assert abs(entry["final_loss_rel_diff"] - 0.004) < 1e-5
     assert abs(entry["last10_mean_rel_diff"] - 0.004) < 1e-5
     assert entry["tokens_per_s"] == {"bf16": 2005.5, "fp8": 2605.5}
+
+
+def test_gpu_step_lines_give_tflops_mfu_and_peak_memory(tmp_path):
+    def log(path, tflops, peaks):
+        lines = [f"[megatron_mok] step {i + 1}/7 | lm loss {5.0 - 0.1 * i:.6f} | 100.0 ms | "
+                 f"1000 tokens/s | {tflops + i:.1f} TFLOP/s/GPU | peak {peak:.2f} GiB"
+                 for i, peak in enumerate(peaks)]
+        path.write_text("\n".join(lines) + "\n")
+
+    log(tmp_path / "train_q_mok.log", 300.0, [10.0, 12.5, 12.0, 12.0, 12.0, 12.0, 12.0])
+    log(tmp_path / "train_q_alltoall.log", 200.0, [20.0] * 7)
+    runs = {"q": {k: train_report.parse(tmp_path / f"train_q_{k}.log") for k in ("mok", "alltoall")}}
+    entry = train_report.summarise(runs, peak_tflops=800.0)["q"]
+    assert entry["tflops_per_gpu"] == {"mok": 305.5, "alltoall": 205.5}  # median after step 5
+    assert entry["mfu"] == {"mok": 305.5 / 800.0, "alltoall": 205.5 / 800.0}
+    assert entry["peak_mem_gib"] == {"mok": 12.5, "alltoall": 20.0}
+    assert "mfu" not in train_report.summarise(runs)["q"]  # no peak given: no MFU
