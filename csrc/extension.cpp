@@ -116,6 +116,12 @@ TORCH_LIBRARY(megatron_mok, m) {
         "int max_ctas, Tensor? row_w=None, Tensor(b!)? dots_part=None, "
         "Tensor(c!)? act_scaled=None) -> ()");
   m.def("quantize_fp8_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale_t) -> ()");
+  // gather_quantize_fp8_rows (EP = 1): row j = x[peer_token[j]] (padding rows, peer_rank < 0:
+  // zeros, scale 1) quantised 1 x 128 into q / scale_t, optionally also its bf16 copy (rows)
+  // and its router weight topk_w[token, peer_k[j]] (row_w, 0 for padding); rows < num_rows.
+  m.def("gather_quantize_fp8_rows(Tensor x, Tensor peer_rank, Tensor peer_token, "
+        "Tensor peer_k, Tensor num_rows, Tensor? topk_w, Tensor(a!) q, Tensor(b!) scale_t, "
+        "Tensor(c!)? rows, Tensor(d!)? row_w) -> ()");
   // quantize_fp8_blocks: w [E, N, K] bf16 -> q [E, N, K], qt [E, K, N] (the transposed
   // layout of the same blocks), scale [E, N / 128, K / 128] (128 x 128 blocks).
   m.def("quantize_fp8_blocks(Tensor w, Tensor(a!) q, Tensor(b!) qt, Tensor(c!) scale) -> ()");

@@ -205,20 +205,38 @@ def test_fp8_dgrad_swiglu_routed_matches_fp32(routing):
 
 
 @pytest.mark.gpu
-def test_gathered_quantized_rows_are_the_rows_quantised():
-    """x quantised per token and gathered = the gathered bf16 rows quantised, bit for bit
-    (padding rows: zeros with scale 1)."""
-    g = torch.Generator().manual_seed(20)
-    tokens, hidden, capacity = 200, 512, 640
-    x = rand_bf16(tokens, hidden, seed=21)
+@pytest.mark.parametrize("num_rows", [640, 384])
+def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows):
+    """The one-pass gather (EP = 1): its E4M3 rows and scales are the gathered bf16 rows
+    quantised, bit for bit; its bf16 rows and router weights what pull_rows gives (padding
+    rows zeros with scale 1, weight 0); rows below num_rows are written."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(22)
+    tokens, hidden, capacity, topk = 200, 512, 640, 4
+    x = rand_bf16(tokens, hidden, seed=23)
+    topk_w = torch.rand(tokens, topk, generator=g).cuda()
     peer_token = torch.randint(0, tokens, (capacity,), generator=g).int()
+    peer_k = torch.randint(0, topk, (capacity,), generator=g).int()
     peer_rank = torch.zeros(capacity, dtype=torch.int32)
     pad = torch.rand(capacity, generator=g) < 0.2
-    peer_token[pad], peer_rank[pad] = -1, -1
-    peer_token, peer_rank = peer_token.cuda(), peer_rank.cuda()
-    rows, scale_t = f8.gather_quantized_rows(x, peer_rank, peer_token)
-    x_rows = torch.where((peer_rank >= 0).unsqueeze(1), x[peer_token.clamp(min=0).long()],
-                         torch.zeros((), dtype=x.dtype, device="cuda"))
-    want_q, want_s = f8.quantize_rows(x_rows)
-    assert torch.equal(_bits(rows), _bits(want_q))
-    assert torch.equal(scale_t, want_s)
+    peer_token[pad], peer_rank[pad], peer_k[pad] = -1, -1, -1
+    sched = SimpleNamespace(peer_rank=peer_rank.cuda(), peer_token=peer_token.cuda(),
+                            peer_k=peer_k.cuda(),
+                            num_rows=torch.tensor([num_rows], dtype=torch.int32, device="cuda"))
+    (q, scale_t), rows, row_w = f8.gather_quantize_rows(x, sched, topk_w=topk_w, keep_rows=True)
+    n = num_rows
+    routed = (sched.peer_rank[:n] >= 0)
+    tok = sched.peer_token[:n].clamp(min=0).long()
+    want_rows = torch.where(routed.unsqueeze(1), x[tok], torch.zeros((), dtype=x.dtype,
+                                                                     device="cuda"))
+    assert torch.equal(rows[:n], want_rows)
+    want_q, want_s = f8.quantize_rows(want_rows)
+    assert torch.equal(_bits(q[:n]), _bits(want_q))
+    assert torch.equal(scale_t[:, :n], want_s)
+    assert bool((scale_t[:, :n][:, ~routed] == 1).all())
+    want_w = torch.where(routed, topk_w[tok, sched.peer_k[:n].clamp(min=0).long()], 0.0)
+    assert torch.equal(row_w[:n], want_w)
+    # Alone (no bf16 copy, no weights): the same E4M3 bits.
+    (q2, s2), none_rows, none_w = f8.gather_quantize_rows(x, sched)
+    assert none_rows is None and none_w is None
+    assert torch.equal(_bits(q2[:n]), _bits(q[:n])) and torch.equal(s2[:, :n], scale_t[:, :n])

@@ -223,6 +223,25 @@ void grouped_fp8_dgrad_swiglu_cuda(const at::Tensor& dy, const at::Tensor& dy_sc
 // transposed layout the GEMMs read.
 constexpr int kItemsPerWarp = 4;
 
+// One (row, group) item of 128 values, 4 a lane (raw: this lane's 8 bytes): its E4M3
+// values and scale as quantize_blockwise gives them.
+__device__ __forceinline__ void quantize_group(const uint2& raw, int lane,
+                                               __nv_fp8_storage_t* __restrict__ q_group,
+                                               float* __restrict__ scale_out) {
+  const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  float amax = fmaxf(fmaxf(fabsf(v01.x), fabsf(v01.y)), fmaxf(fabsf(v23.x), fabsf(v23.y)));
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = amax > 0.f ? amax / 448.f : 1.f;
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+      make_float2(v01.x / scale, v01.y / scale), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+      make_float2(v23.x / scale, v23.y / scale), __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<uint32_t*>(q_group + lane * 4) = uint32_t(lo) | (uint32_t(hi) << 16);
+  if (lane == 0) *scale_out = scale;
+}
+
 __global__ void quantize_fp8_rows_kernel(const __nv_bfloat16* __restrict__ x,
                                          __nv_fp8_storage_t* __restrict__ q,
                                          float* __restrict__ scale_t, int64_t scale_ld,
@@ -243,18 +262,57 @@ __global__ void quantize_fp8_rows_kernel(const __nv_bfloat16* __restrict__ x,
   for (int j = 0; j < kItemsPerWarp; ++j) {
     const int64_t item = first + j;
     if (item >= items) break;
-    const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].x));
-    const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[j].y));
-    float amax = fmaxf(fmaxf(fabsf(v01.x), fabsf(v01.y)), fmaxf(fabsf(v23.x), fabsf(v23.y)));
-    CUTE_UNROLL
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax > 0.f ? amax / 448.f : 1.f;
-    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-        make_float2(v01.x / scale, v01.y / scale), __NV_SATFINITE, __NV_E4M3);
-    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(v23.x / scale, v23.y / scale), __NV_SATFINITE, __NV_E4M3);
-    *reinterpret_cast<uint32_t*>(q + item * kGroup + lane * 4) = uint32_t(lo) | (uint32_t(hi) << 16);
-    if (lane == 0) scale_t[int64_t(item % groups) * scale_ld + item / groups] = scale;
+    quantize_group(raw[j], lane, q + item * kGroup,
+                   scale_t + int64_t(item % groups) * scale_ld + item / groups);
+  }
+}
+
+// EP = 1, one pass over the routed rows: row j of the row table is token peer_token[j]
+// of x (padding rows, peer_rank < 0: zeros, scale 1, weight 0). Writes its E4M3 values
+// and scales (the bits of quantising x per token and gathering, or of quantising the
+// gathered rows: a group's quantisation depends on its values alone), optionally the bf16
+// row itself (`rows`, what pull_rows writes) and the route's router weight (`row_w`).
+// Rows at and past num_rows (read on the device) are not written, as pull_rows.
+__global__ void gather_quantize_fp8_rows_kernel(
+    const __nv_bfloat16* __restrict__ x, const int* __restrict__ peer_rank,
+    const int* __restrict__ peer_token, const int* __restrict__ peer_k,
+    const int* __restrict__ num_rows, const float* __restrict__ topk_w, int topk,
+    __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scale_t, int64_t scale_ld,
+    __nv_bfloat16* __restrict__ rows_out, float* __restrict__ row_w, int64_t capacity,
+    int groups) {
+  const int lane = threadIdx.x % 32;
+  const int64_t first = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) *
+                        kItemsPerWarp;
+  const int64_t items = min(int64_t(num_rows[0]), capacity) * groups;
+  if (first >= items) return;
+  const int64_t k_cols = int64_t(groups) * kGroup;
+  uint2 raw[kItemsPerWarp];
+  CUTE_UNROLL
+  for (int j = 0; j < kItemsPerWarp; ++j) {  // all loads in flight before the reductions
+    const int64_t item = first + j;
+    raw[j] = make_uint2(0u, 0u);
+    if (item < items) {
+      const int64_t row = item / groups;
+      if (peer_rank[row] >= 0) {
+        raw[j] = __ldg(reinterpret_cast<const uint2*>(
+            x + int64_t(peer_token[row]) * k_cols + (item % groups) * kGroup + lane * 4));
+      }
+    }
+  }
+  CUTE_UNROLL
+  for (int j = 0; j < kItemsPerWarp; ++j) {
+    const int64_t item = first + j;
+    if (item >= items) break;
+    const int64_t row = item / groups;
+    const int group = int(item % groups);
+    quantize_group(raw[j], lane, q + item * kGroup, scale_t + int64_t(group) * scale_ld + row);
+    if (rows_out != nullptr) {
+      *reinterpret_cast<uint2*>(rows_out + item * kGroup + lane * 4) = raw[j];
+    }
+    if (row_w != nullptr && group == 0 && lane == 0) {
+      row_w[row] = peer_rank[row] >= 0
+          ? topk_w[int64_t(peer_token[row]) * topk + peer_k[row]] : 0.f;
+    }
   }
 }
 
@@ -277,6 +335,61 @@ void quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& q, const at::
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<__nv_fp8_storage_t*>(q.data_ptr()), scale_t.data_ptr<float>(),
       scale_t.stride(0), R, int(K / kGroup));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void gather_quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& peer_rank,
+                                   const at::Tensor& peer_token, const at::Tensor& peer_k,
+                                   const at::Tensor& num_rows,
+                                   const std::optional<at::Tensor>& topk_w, const at::Tensor& q,
+                                   const at::Tensor& scale_t,
+                                   const std::optional<at::Tensor>& rows,
+                                   const std::optional<at::Tensor>& row_w) {
+  check_bf16_cuda(x, "x", 2);
+  check_fp8_cuda(q, "q", 2);
+  const int64_t K = x.size(1), capacity = q.size(0);
+  TORCH_CHECK(K % kGroup == 0, "megatron_mok: 1 x 128 quantisation needs K to be a multiple of "
+              "128, got ", K);
+  TORCH_CHECK(q.size(1) == K && q.device() == x.device(),
+              "megatron_mok: q must be [capacity, K] on x's device");
+  check_a_scale(scale_t, K, capacity);
+  for (const at::Tensor* t : {&peer_rank, &peer_token, &peer_k}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous() &&
+                    t->numel() == capacity && t->device() == x.device(),
+                "megatron_mok: the row table must be contiguous int32 [capacity] on x's device");
+  }
+  TORCH_CHECK(num_rows.is_cuda() && num_rows.scalar_type() == at::kInt && num_rows.numel() == 1,
+              "megatron_mok: num_rows must be a CUDA int32 tensor with one element");
+  if (rows.has_value()) {
+    check_bf16_cuda(*rows, "rows", 2);
+    TORCH_CHECK(rows->sizes() == q.sizes() && rows->device() == x.device(),
+                "megatron_mok: rows must be q's shape on x's device");
+  }
+  TORCH_CHECK(topk_w.has_value() == row_w.has_value(), "megatron_mok: topk_w and row_w go together");
+  int topk = 0;
+  if (row_w.has_value()) {
+    TORCH_CHECK(topk_w->is_cuda() && topk_w->scalar_type() == at::kFloat && topk_w->dim() == 2 &&
+                    topk_w->is_contiguous() && topk_w->size(0) == x.size(0) &&
+                    topk_w->device() == x.device(),
+                "megatron_mok: topk_w must be contiguous CUDA float32 [tokens, K]");
+    TORCH_CHECK(row_w->is_cuda() && row_w->scalar_type() == at::kFloat && row_w->is_contiguous() &&
+                    row_w->numel() == capacity && row_w->device() == x.device(),
+                "megatron_mok: row_w must be contiguous CUDA float32 [capacity]");
+    topk = int(topk_w->size(1));
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t items = capacity * (K / kGroup);
+  if (items == 0) return;
+  constexpr int kWarps = 8, kItemsPerBlock = kWarps * kItemsPerWarp;
+  gather_quantize_fp8_rows_kernel<<<int((items + kItemsPerBlock - 1) / kItemsPerBlock),
+                                    32 * kWarps, 0, at::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), peer_rank.data_ptr<int>(),
+      peer_token.data_ptr<int>(), peer_k.data_ptr<int>(), num_rows.data_ptr<int>(),
+      row_w.has_value() ? topk_w->data_ptr<float>() : nullptr, topk,
+      reinterpret_cast<__nv_fp8_storage_t*>(q.data_ptr()), scale_t.data_ptr<float>(),
+      scale_t.stride(0),
+      rows.has_value() ? reinterpret_cast<__nv_bfloat16*>(rows->data_ptr()) : nullptr,
+      row_w.has_value() ? row_w->data_ptr<float>() : nullptr, capacity, int(K / kGroup));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -386,6 +499,7 @@ TORCH_LIBRARY_IMPL(megatron_mok, CUDA, m) {
   m.impl("grouped_fp8_fc1_swiglu", &grouped_fp8_fc1_swiglu_cuda);
   m.impl("grouped_fp8_dgrad_swiglu", &grouped_fp8_dgrad_swiglu_cuda);
   m.impl("quantize_fp8_rows", &quantize_fp8_rows_cuda);
+  m.impl("gather_quantize_fp8_rows", &gather_quantize_fp8_rows_cuda);
   m.impl("quantize_fp8_blocks", &quantize_fp8_blocks_cuda);
 }
 

@@ -183,18 +183,25 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
                                        saved.w1.contiguous(), saved.w2.contiguous(), saved.h,
                                        minibatch_rows=minibatch_rows, wgrad=wgrad,
                                        glu=saved.activation.kernel_glu)
+    if fp8_reads_dy_in_place(ws, saved):
+        # One pass: dy's rows gathered, quantised (the FP8 dgrad's A) and kept in bf16 (the
+        # weight gradients' rows), with their router weights: the bits of the pull below
+        # and of quantising the pulled rows.
+        dy_fp8, dy_rows, row_w = fp8_gemm.gather_quantize_rows(
+            dy.contiguous(), sched, topk_w=saved.topk_w.contiguous(), keep_rows=True)
+        return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w,
+                              sched.expert_offsets[1:], dy_fp8)
     arena = ws.arena
     dy_rows = dy.new_empty(ws.capacity, dy.shape[1])
     row_w = torch.empty(ws.capacity, dtype=torch.float32, device=dy.device)
     ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, dy_rows,
                   w_offset=arena.offset("topk_w"), row_w=row_w)
-    # FP8 at EP = 1: dy quantised once per token and its E4M3 rows gathered (the bits of
-    # quantising the pulled rows, at 1 / K of the work); the bf16 rows feed the wgrads.
-    dy_fp8 = None
-    if saved.fp8 is not None and ws.ep_size == 1:
-        dy_fp8 = fp8_gemm.gather_quantized_rows(dy, sched.peer_rank, sched.peer_token)
-    return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:],
-                          dy_fp8)
+    return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:])
+
+
+def fp8_reads_dy_in_place(ws: MoKWorkspace, saved: KernelSaved) -> bool:
+    """The FP8 chain at EP = 1 gathers dy's rows from dy itself (nothing is published)."""
+    return saved.fp8 is not None and ws.ep_size == 1
 
 
 def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,
@@ -218,7 +225,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
     fused = core == "mok" and plan.path == "megakernel"
     if fused and not activation.gated:
         raise RuntimeError("megatron_mok: the backward megakernel runs GLU experts only")
-    if not fused or ws.ep_size > 1:
+    if (not fused or ws.ep_size > 1) and not fp8_reads_dy_in_place(ws, saved):
         arena.view("dy").copy_(dy)
         arena.view("topk_w").copy_(saved.topk_w)
     d_shared = (None, None, None)

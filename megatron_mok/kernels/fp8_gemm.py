@@ -8,6 +8,7 @@ row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments 
 128 rows, counts read on the device, outputs caller-given or allocated here, no host sync.
 
     quantize_rows(x)                    x bf16 [R, K] -> (q E4M3 [R, K], scale_t [K/128, R])
+    gather_quantize_rows(x, sched)      EP = 1: the row table's rows of x quantised (+ bf16)
     quantize_weight(w)                  w [E, N, K] -> BlockwiseFP8Tensor (128 x 128; torch)
     quantize_weights(w)                 the same on the device, both layouts -> Fp8Weight
     fc1_swiglu(xq, xs, w1q, ...)        act = SwiGLU(dq(x) dq(w1)^T) bf16 (+ h bf16)
@@ -18,8 +19,9 @@ row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments 
 
 The GEMMs promote their fp32 partial every 128 of K (docs/fp8.md), so the sums follow a
 fixed order: bitwise deterministic and independent of the grid size, as the BF16 core.
-The weight gradients run on the BF16 core (MoKConfig.fp8_wgrad = "bf16"); the quantisation
-of x, act, dy and d_h is a separate pass over each (not yet fused into the epilogues).
+The weight gradients run on the BF16 core (MoKConfig.fp8_wgrad = "bf16"); x and dy are
+quantised where they are gathered (EP = 1), act and d_h by a separate pass over each (not
+yet fused into the epilogues).
 """
 
 from __future__ import annotations
@@ -191,24 +193,32 @@ def dgrad_swiglu_routed(dyq: torch.Tensor, dy_scale_t: torch.Tensor, row_w: torc
     return d_h, dots_part, act_scaled
 
 
-def gather_quantized_rows(x: torch.Tensor, peer_rank: torch.Tensor, peer_token: torch.Tensor
-                          ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """EP = 1: x [T, H] bf16 quantised once per token, then its E4M3 rows and scales gathered
-    into row-table order (row j = token peer_token[j]; padding rows, peer_rank < 0, are zeros
-    with scale 1). A row's groups depend on its values alone, so these are the bits of
-    quantize_rows(x_rows) at 1 / K of its work and half the bytes moved."""
-    tokens, hidden = x.shape
-    # One row past the tokens quantises a zero row (values 0, scale 1): the padding rows
-    # gather it, so each output is one index_select (no masking pass over the rows).
-    xq = torch.empty(tokens + 1, hidden, dtype=FP8, device=x.device)
-    xs = torch.empty(hidden // GROUP_SIZE, -(-(tokens + 1) // 4) * 4, dtype=torch.float32,
-                     device=x.device)[:, :tokens + 1]
-    quantize_rows(x, xq[:tokens], xs[:, :tokens])
-    xq[tokens].view(torch.uint8).zero_()
-    xs[:, tokens].fill_(1.0)
-    token = torch.where(peer_rank >= 0, peer_token, tokens).long()
-    rows = xq.view(torch.uint8).index_select(0, token).view(FP8)
-    return rows, xs.index_select(1, token)
+def gather_quantize_rows(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor] = None,
+                         keep_rows: bool = False):
+    """EP = 1, one pass: the row table's rows of x [T, H] bf16 (row j = token
+    sched.peer_token[j]; padding rows zeros with scale 1) quantised 1 x 128. keep_rows:
+    also their bf16 copy (pull_rows's rows); topk_w [T, K] fp32: also each row's router
+    weight (pull_rows's row_w, 0 for padding). Rows at and past sched.num_rows are left
+    unwritten (the GEMMs never read them). A row's groups depend on its values alone, so
+    these are the bits of quantize_rows(x_rows), with x read once per route (mostly from
+    L2) and no bf16 rows in HBM unless asked. Returns ((q, scale_t), rows or None, row_w
+    or None)."""
+    _check(x, "x", torch.bfloat16, 2)
+    _check_multiple("H", x.shape[1])
+    _check_cuda(x, "x")
+    capacity, hidden = sched.peer_rank.numel(), x.shape[1]
+    q = torch.empty(capacity, hidden, dtype=FP8, device=x.device)
+    scale_t = torch.empty(hidden // GROUP_SIZE, -(-capacity // 4) * 4, dtype=torch.float32,
+                          device=x.device)[:, :capacity]
+    rows = torch.empty(capacity, hidden, dtype=x.dtype, device=x.device) if keep_rows else None
+    row_w = None
+    if topk_w is not None:
+        _check(topk_w, "topk_w", torch.float32, 2)
+        row_w = torch.empty(capacity, dtype=torch.float32, device=x.device)
+    torch.ops.megatron_mok.gather_quantize_fp8_rows(
+        x, sched.peer_rank, sched.peer_token, sched.peer_k, sched.num_rows, topk_w, q, scale_t,
+        rows, row_w)
+    return (q, scale_t), rows, row_w
 
 
 def expert_forward(x_rows, w1, w2,
@@ -217,7 +227,7 @@ def expert_forward(x_rows, w1, w2,
     """The routed experts' forward in FP8 over the row table: x rows quantised 1 x 128, fc1 +
     SwiGLU, act quantised 1 x 128 (from its bf16 rounding: the quantisation is not yet fused
     into the fc1 epilogue), fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor; x_rows: bf16 rows,
-    or (E4M3 rows, scale_t) already quantised (gather_quantized_rows). Returns (out rows
+    or (E4M3 rows, scale_t) already quantised (gather_quantize_rows). Returns (out rows
     [R, H] bf16, h or None)."""
     (w1q, w1s), (w2q, w2s) = (_values_and_scales(w) for w in (w1, w2))
     xq, xs = x_rows if isinstance(x_rows, tuple) else quantize_rows(x_rows)
@@ -232,7 +242,7 @@ def expert_dgrad(dy_rows, row_w: torch.Tensor, w1: Fp8Weight, w2: Fp8Weight,
     """The FP8 experts' data gradients over the row table: dy rows quantised 1 x 128, fc2
     dgrad + router weight + SwiGLU backward, d_h quantised 1 x 128 (from its bf16 rounding),
     fc1 dgrad against w1's transposed blocks. dy_rows: bf16 rows, or (E4M3 rows, scale_t)
-    already quantised (gather_quantized_rows of dy). Returns (d_h, dots_part, act_scaled,
+    already quantised (gather_quantize_rows of dy). Returns (d_h, dots_part, act_scaled,
     dx_rows)."""
     dyq, dys = dy_rows if isinstance(dy_rows, tuple) else quantize_rows(dy_rows)
     d_h, dots_part, act_scaled = dgrad_swiglu_routed(dyq, dys, row_w, w2, h, expert_offsets,

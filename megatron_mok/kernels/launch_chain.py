@@ -119,13 +119,13 @@ def expert_launches(ws: MoKWorkspace, sched: MoKSchedule, w1, w2, hidden: int, k
                      fp8: Optional[tuple] = None, x: Optional[torch.Tensor] = None):
     """v1: pull, fc1 (+ b1, + the activation), fc2 (+ b2) and push (unless the combine
     reads the rows in place) as separate launches. fp8: (w1, w2) as fp8_gemm.Fp8Weight: the
-    blockwise-FP8 GEMMs (SwiGLU experts; act is then not returned); with x (EP = 1) x is
-    quantised per token and its E4M3 rows gathered, and no bf16 x rows are made (x_rows None:
+    blockwise-FP8 GEMMs (SwiGLU experts; act is then not returned); with x (EP = 1) the
+    rows of x are gathered and quantised in one pass, and no bf16 x rows are made (x_rows None:
     the backward gathers them for the weight gradients)."""
     arena = ws.arena
     if fp8 is not None and x is not None:
         act = x_rows = None
-        rows = fp8_gemm.gather_quantized_rows(x, sched.peer_rank, sched.peer_token)
+        rows = fp8_gemm.gather_quantize_rows(x.contiguous(), sched)[0]
         y_rows, h = fp8_gemm.expert_forward(rows, *fp8, sched.expert_offsets, sched.num_rows,
                                             save_h=keep_ctx)
         if push:
