@@ -24,6 +24,7 @@ them and regenerates the README table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -47,11 +48,14 @@ from megatron_mok.reference import rel_l2
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("mok", "sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall", "mok-fp8",
-            "mok-fp8-reuse", "torch-fp8")
+            "mok-fp8-reuse", "torch-fp8", "megatron-te-fp8")
 # The FP8 layers (not in the default list: the FP8 kernels are opt-in); torch-fp8 is the
-# unfused row-wise FP8 baseline (benchmarks/torch_fp8.py).
-FP8_BACKENDS = ("mok-fp8", "mok-fp8-reuse", "torch-fp8")
-BASELINES = ("sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall", "torch-fp8")
+# unfused row-wise FP8 baseline (benchmarks/torch_fp8.py), megatron-te-fp8 Megatron's own
+# FP8 MoE layer (megatron-te with --fp8-format e4m3 --fp8-recipe blockwise: TE's
+# Float8BlockScaling, 1 x 128 / 128 x 128 as ours).
+FP8_BACKENDS = ("mok-fp8", "mok-fp8-reuse", "torch-fp8", "megatron-te-fp8")
+BASELINES = ("sonicmoe", "megatron-te", "torch-unfused", "megatron-alltoall", "torch-fp8",
+             "megatron-te-fp8")
 HOST_CALLS = 5  # layer calls timed on the host alone (each after a sync, none inside)
 PASSES = ("fwd", "bwd")
 CHECK_TOL = 1e-2
@@ -439,12 +443,15 @@ def init_megatron_ep(device: torch.device, ep_size: int, seed: int = 0) -> None:
 
 def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torch.device, *,
                              use_te: bool, permute_fusion: bool, act_fusion: bool,
-                             seed: int = 0, ep_size: int = 1, flex_backend: str = ""):
+                             seed: int = 0, ep_size: int = 1, flex_backend: str = "",
+                             fp8: bool = False):
     """Megatron-Core's MoELayer with the `alltoall` dispatcher (EP = ep_size over the
     whole world; 1: a one-rank world of its own), its experts module from Megatron's own
     spec (TEGroupedMLP with TE, else SequentialMLP), weights copied from the benchmark's.
     The router is built but bypassed (see MegatronBackend). flex_backend ("deepep",
-    "hybridep"): the `flex` dispatcher with that backend instead of `alltoall`."""
+    "hybridep"): the `flex` dispatcher with that backend instead of `alltoall`. fp8: the
+    config of `--fp8-format e4m3 --fp8-recipe blockwise` (TEGroupedMLP then pads each
+    expert's rows for FP8 itself; run the layer under Megatron's get_fp8_context)."""
     if ep_size == 1:
         init_megatron_single_rank(device, seed)
     else:
@@ -471,7 +478,8 @@ def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torc
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         perform_initialization=False, use_cpu_initialization=device.type == "cpu",
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=1, expert_model_parallel_size=ep_size, sequence_parallel=False)
+        tensor_model_parallel_size=1, expert_model_parallel_size=ep_size, sequence_parallel=False,
+        **({"fp8": "e4m3", "fp8_recipe": "blockwise"} if fp8 else {}))
     builder = get_moe_module_spec(use_te=use_te, num_experts=e_loc * ep_size,
                                   moe_grouped_gemm=use_te)
     layer = builder(config=config, pg_collection=get_default_pg_collection())
@@ -493,6 +501,7 @@ def build_megatron_moe_layer(local: S.LocalShape, weights: Weights, device: torc
             shared.linear_fc1.weight.copy_(weights.shared_w1)
             shared.linear_fc2.weight.copy_(weights.shared_w2)
     info = {"experts_module": type(layer.experts).__name__, "transformer_engine": use_te,
+            "fp8_recipe": "blockwise" if fp8 else None,
             "moe_permute_fusion": permute_fusion, "bias_activation_fusion": act_fusion,
             "dispatcher": type(layer.token_dispatcher).__name__}
     return layer, (fc1, fc2), info
@@ -506,12 +515,19 @@ class MegatronBackend(Backend):
     name = "megatron-alltoall"
 
     def __init__(self, local: S.LocalShape, weights: Weights, device, seed: int = 0,
-                 ep_size: int = 1, flex_backend: str = "", require_te: bool = False):
+                 ep_size: int = 1, flex_backend: str = "", require_te: bool = False,
+                 fp8: bool = False):
         super().__init__(weights)
         if flex_backend:
             self.name = f"megatron-flex-{flex_backend}"
         if require_te:
             self.name = "megatron-te"
+        if fp8:  # Megatron's FP8 layer: TE's blockwise recipe, TE required
+            if not require_te:
+                raise ValueError("Megatron's FP8 MoE layer needs Transformer Engine "
+                                 "(require_te=True)")
+            self.name = "megatron-te-fp8"
+        self.fp8 = fp8
         self.local = local
         self.ep_size = ep_size
         self.device = torch.device(device)
@@ -536,7 +552,7 @@ class MegatronBackend(Backend):
                 self.layer, (self.fc1, self.fc2), self.info = build_megatron_moe_layer(
                     local, weights, self.device, use_te=use_te, permute_fusion=permute_fusion,
                     act_fusion=act_fusion, seed=seed, ep_size=ep_size,
-                    flex_backend=flex_backend)
+                    flex_backend=flex_backend, fp8=fp8)
                 self.layer.route = self._fixed_route
                 self._smoke_test(seed)
                 break
@@ -575,9 +591,18 @@ class MegatronBackend(Backend):
 
     def run(self, inp):
         self._route = (inp["probs"], inp["routing_map"])
-        out, _ = self.layer(inp["x"])
+        with self._fp8_context():
+            out, _ = self.layer(inp["x"])
         self._route = None
         return out.reshape(inp["x"].shape[0], -1)
+
+    def _fp8_context(self):
+        """What Megatron's TransformerBlock wraps each layer in: TE's autocast with the
+        config's recipe (Float8BlockScaling) under megatron-te-fp8, else nothing."""
+        if not self.fp8:
+            return contextlib.nullcontext()
+        from megatron.core.fp8_utils import get_fp8_context
+        return get_fp8_context(self.layer.config)
 
     def leaves(self, inp):
         return [inp["x"], inp["probs"], *self.layer.parameters()]
@@ -620,6 +645,8 @@ def make_backend(name: str, local: S.LocalShape, weights: Weights, device, args)
         return MegatronBackend(local, weights, device, seed=args.seed)
     if name == "megatron-te":
         return MegatronBackend(local, weights, device, seed=args.seed, require_te=True)
+    if name == "megatron-te-fp8":
+        return MegatronBackend(local, weights, device, seed=args.seed, require_te=True, fp8=True)
     if name == "sonicmoe":
         from benchmarks.sonicmoe_baseline import SonicMoEBackend
         return SonicMoEBackend(weights, device)

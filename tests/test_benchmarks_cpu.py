@@ -637,10 +637,13 @@ def test_megatron_te_baseline_needs_te_and_alltoall_stays_local(tmp_path):
     if L.te_available():
         pytest.skip("Transformer Engine is installed here")
     args = L.parse_args(["--device", "cpu", "--quick", "--shapes", "tiny", "--tokens", "64",
-                         "--backends", "megatron-te,megatron-alltoall", "--pass", "fwd",
-                         "--out", str(tmp_path)])
+                         "--backends", "megatron-te,megatron-te-fp8,megatron-alltoall",
+                         "--pass", "fwd", "--out", str(tmp_path)])
     _, records = L.run(args)
     by_backend = {r["backend"]: r for r in records}
     assert "needs Transformer Engine" in by_backend["megatron-te"]["error"]
+    assert "needs Transformer Engine" in by_backend["megatron-te-fp8"]["error"]
+    with pytest.raises(ValueError, match="needs Transformer Engine"):
+        L.MegatronBackend(None, None, "cpu", fp8=True)  # FP8 without TE: refused at once
     local = by_backend["megatron-alltoall"]
     assert local["correct"] and local["info"]["experts_module"] == "SequentialMLP"
