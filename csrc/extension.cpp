@@ -110,11 +110,12 @@ TORCH_LIBRARY(megatron_mok, m) {
         "Tensor expert_offsets, Tensor num_rows, Tensor(a!) act, Tensor(b!)? h, "
         "int max_ctas) -> ()");
   // grouped_fp8_dgrad_swiglu: w2t [E, I, H] (w2 transposed, 128 x 128 blocks along H);
-  // row_w / dots_part [rows, I / 128] / act_scaled as grouped_dgrad_swiglu's.
+  // row_w / dots_part [rows, I / 128] / act_scaled as grouped_dgrad_swiglu's; dh_q /
+  // dh_scale_t: d_h also quantised 1 x 128 in the epilogue (fc1 dgrad's A).
   m.def("grouped_fp8_dgrad_swiglu(Tensor dy_rows, Tensor dy_scale_t, Tensor w2t, "
         "Tensor w2t_scale, Tensor expert_offsets, Tensor num_rows, Tensor h, Tensor(a!) d_h, "
         "int max_ctas, Tensor? row_w=None, Tensor(b!)? dots_part=None, "
-        "Tensor(c!)? act_scaled=None) -> ()");
+        "Tensor(c!)? act_scaled=None, Tensor(d!)? dh_q=None, Tensor(e!)? dh_scale_t=None) -> ()");
   m.def("quantize_fp8_rows(Tensor x, Tensor(a!) q, Tensor(b!) scale_t) -> ()");
   // gather_quantize_fp8_rows (EP = 1): row j = x[peer_token[j]] (padding rows, peer_rank < 0:
   // zeros, scale 1) quantised 1 x 128 into q / scale_t, optionally also its bf16 copy (rows)

@@ -18,12 +18,12 @@ from megatron_mok.validation import kernel_config_refusal
 
 
 def resolve_backend(config: MoKConfig, device: torch.device,
-                    dtype: Optional[torch.dtype] = None) -> str:
-    """The backend that runs on `device` for activations of `dtype`; forcing an
-    unavailable one is an error."""
+                    dtype: Optional[torch.dtype] = None, ep_size: int = 1) -> str:
+    """The backend that runs on `device` for activations of `dtype` at `ep_size`; forcing
+    an unavailable one is an error."""
     available, reason = ops.kernel_backend_status(device, dtype)
     if available:
-        refusal = kernel_config_refusal(config)
+        refusal = kernel_config_refusal(config, ep_size)
         available, reason = refusal is None, refusal or ""
     if config.backend == "kernel" and not available:
         raise RuntimeError(f"megatron_mok: backend='kernel' is not available here: {reason}. "

@@ -48,8 +48,9 @@ class MoKConfig:
     expert_bias: the routed experts have fc1 and fc2 biases (Megatron's --add-bias-linear,
         GPT-OSS); the reference backend runs them, the kernel backend does not yet.
     fp8: None (BF16) or "blockwise": the routed experts' GEMMs in E4M3 with 1 x 128 / 128 x
-        128 FP32 scales (megatron_mok.reference_fp8 states every quantisation point); so
-        far at EP = 1 (the kernel backend: the launch chain on the FP8 grouped GEMMs).
+        128 FP32 scales (megatron_mok.reference_fp8 states every quantisation point); the
+        reference backend at any EP size, the kernel backend at EP = 1 (the launch chain
+        on the FP8 grouped GEMMs).
     fp8_wgrad: "bf16" (the default: the weight gradients' GEMMs in BF16, as the kernel
         backend runs them) or "fp8" (in FP8 too, 1 x 128 groups along the tokens; the
         reference backend only: the FP8 wgrad kernels are not built).

@@ -170,7 +170,7 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
                                       shared_w2, b1, b2)
     backend = "kernel" if ws.arena is not None else "reference"
     if backend == "kernel":
-        check_kernel_config(config)  # e.g. FP8 or biases on a kernel workspace
+        check_kernel_config(config, ws.ep_size)  # e.g. FP8 or biases on a kernel workspace
         y, saved = kernel_backend.forward(ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2,
                                           keep_ctx, config, b1, b2, fp8_cache)
         return y, MoKForwardContext(backend, _meta(y) if keep_ctx else None, saved=saved)
@@ -178,9 +178,10 @@ def _forward(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w2, b1=None
     leaves = tuple(None if t is None else t.detach().requires_grad_(True)
                    for t in (x, topk_w, w1, w2, shared_w1, shared_w2, b1, b2))
     with torch.enable_grad() if keep_ctx else torch.no_grad():
-        if config.fp8:  # the blockwise spec (EP = 1, SwiGLU, no biases: checked above)
+        if config.fp8:  # the blockwise spec (SwiGLU, no biases: checked above)
             y = reference_fp8.moe_reference_fp8(leaves[0], topk_idx, *leaves[1:6],
-                                                wgrad=config.fp8_wgrad)
+                                                wgrad=config.fp8_wgrad, group=ws.group,
+                                                topk_idx_all=sched.topk_idx_all)
         else:
             y = reference.moe_reference(leaves[0], topk_idx, *leaves[1:6], group=ws.group,
                                         check=False, topk_idx_all=sched.topk_idx_all,
@@ -306,8 +307,9 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     b1 [E_loc, 2I] (or [E_loc, I]) and b2 [E_loc, H]: the routed experts' biases (GPT-OSS),
     both or neither; the routing weight scales b2 with the expert's output, as Megatron's
     experts do. They set config.expert_bias.
-    config.fp8 = "blockwise": the routed experts in blockwise FP8 (reference_fp8; EP = 1,
-    SwiGLU, no biases, H and I multiples of 128), the shared expert in BF16; fp8_cache
+    config.fp8 = "blockwise": the routed experts in blockwise FP8 (reference_fp8; SwiGLU,
+    no biases, H and I multiples of 128; the kernel backend at EP = 1), the shared expert
+    in BF16; fp8_cache
     (megatron_mok.kernels.fp8_weight_cache) keeps the FP8 weights across the passes of
     one optimizer step, else the kernel backend quantises them every pass."""
     config = config or MoKConfig()

@@ -138,10 +138,12 @@ def _ep_size_rank(group) -> tuple[int, int]:
 def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  group=None, topk_idx_all: Optional[torch.Tensor] = None,
                  activation: ExpertActivation = SWIGLU, b1: Optional[torch.Tensor] = None,
-                 b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 b2: Optional[torch.Tensor] = None, expert_fn=None) -> torch.Tensor:
     """Expert output of every (t, k) route of this rank's tokens: [T, K, H] in fp32
     (values already rounded to x.dtype; -1 routes are zero rows). `topk_idx_all`
-    [P, T, K], when the caller already gathered it, saves the routing all-gather."""
+    [P, T, K], when the caller already gathered it, saves the routing all-gather.
+    expert_fn(rows, e) -> out rows: local expert e's MLP on its rows (fp32, in (rank,
+    token, k) order), instead of expert_mlp (the FP8 spec's experts)."""
     ep_size, ep_rank = _ep_size_rank(group)
     num_tokens, topk = topk_idx.shape
     num_local_experts = w1.shape[0]
@@ -167,8 +169,12 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: 
         route_ids = (flat_idx == first_expert + e).nonzero().squeeze(1)
         if route_ids.numel() == 0:
             continue
-        out = expert_mlp(x_all[route_ids // topk], w1[e], w2[e], x.dtype, activation,
-                         None if b1 is None else b1[e], None if b2 is None else b2[e])
+        rows = x_all[route_ids // topk]
+        if expert_fn is not None:
+            out = expert_fn(rows, e)
+        else:
+            out = expert_mlp(rows, w1[e], w2[e], x.dtype, activation,
+                             None if b1 is None else b1[e], None if b2 is None else b2[e])
         slots = slots.index_copy(0, route_ids, out)
     if ep_size > 1:
         slots = _ReturnRows.apply(slots, group)

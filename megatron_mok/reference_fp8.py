@@ -32,7 +32,7 @@ import torch
 
 from megatron_mok.activations import SWIGLU
 from megatron_mok.fp8_formats import GROUP_SIZE, quantize_blockwise
-from megatron_mok.reference import combine, expert_mlp, round_to
+from megatron_mok.reference import combine, expert_mlp, round_to, routed_slots
 from megatron_mok.validation import check_moe_inputs
 
 WGRAD_MODES = ("fp8", "bf16")
@@ -124,30 +124,35 @@ def moe_reference_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
                       w1: torch.Tensor, w2: torch.Tensor,
                       shared_w1: Optional[torch.Tensor] = None,
                       shared_w2: Optional[torch.Tensor] = None, *,
-                      pow2_scales: bool = False, wgrad: str = "fp8") -> torch.Tensor:
-    """The blockwise-FP8 MoE layer at EP = 1, differentiable in x, topk_w and every weight.
-    Shapes as reference.moe_reference (SwiGLU experts); H and I must be multiples of 128
-    (the recipe's group size): ValueError otherwise."""
-    check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2)
+                      pow2_scales: bool = False, wgrad: str = "fp8", group=None,
+                      topk_idx_all: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The blockwise-FP8 MoE layer of one EP rank, differentiable in x, topk_w and every
+    weight. Shapes and `group` / `topk_idx_all` as reference.moe_reference (SwiGLU
+    experts); H and I must be multiples of 128 (the recipe's group size): ValueError
+    otherwise. At EP > 1 a token's rows reach the experts' owners and come back as in the
+    BF16 spec; every quantisation is per row (x per token, act and d_h per route row) or
+    per expert over its rows in (rank, token, k) order (the "fp8" weight gradients), so a
+    route's values do not depend on where it ran."""
+    check_moe_inputs(x, topk_idx, topk_w, w1, w2, shared_w1, shared_w2,
+                     ep_size=_ep_size(group))
     hidden, inter = x.shape[1], w2.shape[2]
     if hidden % GROUP_SIZE or inter % GROUP_SIZE:
         raise ValueError(f"blockwise FP8 needs H and I to be multiples of {GROUP_SIZE}, got "
                          f"H={hidden}, I={inter}; run those layers in BF16")
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
-    num_tokens, topk = topk_idx.shape
-    flat = topk_idx.reshape(-1)
-    xf = x.float()  # dx sums over the routes in fp32, rounded once (as the BF16 spec)
-    anchor = (w1.float().sum() + w2.float().sum()) * 0  # every weight stays in the graph
-    slots = x.new_zeros(flat.numel(), hidden, dtype=torch.float32) + anchor
-    for e in range(w1.shape[0]):
-        route_ids = (flat == e).nonzero().squeeze(1)
-        if route_ids.numel() == 0:
-            continue
-        out = fp8_expert(xf[route_ids // topk], w1[e], w2[e], x.dtype,
-                         pow2_scales=pow2_scales, wgrad=wgrad)
-        slots = slots.index_copy(0, route_ids, out)
+
+    def expert(rows, e):
+        return fp8_expert(rows, w1[e], w2[e], x.dtype, pow2_scales=pow2_scales, wgrad=wgrad)
+
+    # dx sums over the routes in fp32, rounded once (as the BF16 spec).
+    slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all, expert_fn=expert)
     shared_out = None
     if shared_w1 is not None:
-        shared_out = expert_mlp(xf, shared_w1, shared_w2, x.dtype)
-    return combine(slots.view(num_tokens, topk, hidden), topk_idx, topk_w, shared_out, x.dtype)
+        shared_out = expert_mlp(x.float(), shared_w1, shared_w2, x.dtype)
+    return combine(slots, topk_idx, topk_w, shared_out, x.dtype)
+
+
+def _ep_size(group) -> int:
+    import torch.distributed as dist
+    return dist.get_world_size(group) if group is not None else 1

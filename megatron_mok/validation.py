@@ -90,12 +90,12 @@ def check_expert_biases(b1, b2, w1, w2, x) -> None:
                          f"got {tuple(b1.shape)} and {tuple(b2.shape)}")
 
 
-def kernel_config_refusal(config) -> Optional[str]:
-    """Why the kernel backend cannot run `config` (None: it can). It runs GLU experts of
-    silu or quick_gelu (SwiGLU; GPT-OSS's clamped GLU with its linear offset) and non-gated
-    experts of every function of the spec (squared-ReLU, GeLU, ...), with or without
-    expert biases, in BF16; and blockwise FP8 with BF16 weight gradients (check_fp8_pass
-    says which layers)."""
+def kernel_config_refusal(config, ep_size: int = 1) -> Optional[str]:
+    """Why the kernel backend cannot run `config` at `ep_size` (None: it can). It runs GLU
+    experts of silu or quick_gelu (SwiGLU; GPT-OSS's clamped GLU with its linear offset)
+    and non-gated experts of every function of the spec (squared-ReLU, GeLU, ...), with or
+    without expert biases, in BF16; and blockwise FP8 at EP = 1 with BF16 weight gradients
+    (check_fp8_pass says which layers)."""
     if not config.activation.kernel_runs:
         return (f"the kernel backend runs GLU experts of silu or quick_gelu (clamped or not) "
                 f"and non-gated experts, not {config.activation.describe()}; use "
@@ -104,6 +104,10 @@ def kernel_config_refusal(config) -> Optional[str]:
         return ("the kernel backend's FP8 path is experimental and opt-in: set "
                 "MOK_FP8_KERNELS=1 to run it (weight gradients in BF16), or run the spec "
                 "(backend='reference', --mok-backend reference), or BF16 (no --mok-fp8)")
+    if config.fp8 and ep_size > 1:
+        return (f"the kernel backend's FP8 runs at EP = 1 (got EP = {ep_size}; its pulls of "
+                f"quantised rows are not built): pass --expert-model-parallel-size 1, or "
+                f"backend='reference' (--mok-backend reference), or BF16 (no --mok-fp8)")
     if config.fp8 and config.fp8_wgrad != "bf16":
         return ("the kernel backend's FP8 runs the weight gradients in BF16 (its FP8 wgrad "
                 "GEMMs are not built): pass --mok-fp8-wgrad bf16 (MoKConfig.fp8_wgrad='bf16'), "
@@ -111,22 +115,23 @@ def kernel_config_refusal(config) -> Optional[str]:
     return None
 
 
-def check_kernel_config(config) -> None:
+def check_kernel_config(config, ep_size: int = 1) -> None:
     """Raise what kernel_config_refusal says: checked when a kernel workspace is made and
     again by every kernel pass (its config may differ from the workspace's), before any
     launch."""
-    reason = kernel_config_refusal(config)
+    reason = kernel_config_refusal(config, ep_size)
     if reason is not None:
         raise ValueError(f"megatron_mok: {reason}")
 
 
 def check_fp8_pass(config, *, ep_size: int, hidden: int, inter: int, biases: bool) -> None:
-    """What the blockwise FP8 spec covers so far: SwiGLU experts without biases at EP = 1,
-    H and I multiples of 128 (the recipe's group size)."""
+    """What the blockwise FP8 spec covers so far: SwiGLU experts without biases, H and I
+    multiples of 128 (the recipe's group size), at any EP size (the kernel backend's
+    limits are kernel_config_refusal's). ep_size is kept for the callers' symmetry."""
     if not config.fp8:
         return
-    wanted = [(ep_size == 1, f"EP = 1 (got {ep_size}): pass --expert-model-parallel-size 1"),
-              (config.activation.is_swiglu, f"SwiGLU experts (got "
+    del ep_size  # every EP size: the spec's quantisation is per row or per expert
+    wanted = [(config.activation.is_swiglu, f"SwiGLU experts (got "
                f"{config.activation.describe()}): pass --swiglu"),
               (not biases, "experts without biases: pass --disable-bias-linear"),
               (hidden % 128 == 0 and inter % 128 == 0, f"H and I multiples of 128 (got H = "

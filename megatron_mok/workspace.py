@@ -205,7 +205,7 @@ def create_workspace(config: MoKConfig, group, *, device, num_local_tokens: int,
         from megatron_mok.kernels.megakernel import counters_size
 
         check_kernel_dims(hidden_size=hidden_size)
-        check_kernel_config(config)
+        check_kernel_config(config, ep_size)
         arena = SymmetricArena(group, ep_size, ep_rank, device, num_local_tokens, hidden_size,
                                topk, dtype)
         counters = torch.zeros(counters_size(capacity), dtype=torch.int32, device=device)
@@ -223,7 +223,8 @@ def get_workspace(config: MoKConfig, group, *, device, num_local_tokens: int, hi
     multiplier; allocates the symmetric arena when the kernel backend will run. The cache
     keeps the MAX_CACHED_WORKSPACES most recently used (set_workspace_cache_limit)."""
     device = _normalize_device(device)
-    symmetric = resolve_backend(config, device, dtype) == "kernel"  # SwiGLU, no biases
+    ep_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    symmetric = resolve_backend(config, device, dtype, ep_size) == "kernel"
     key = (_group_key(group), str(device), num_local_tokens, hidden_size, topk,
            num_local_experts, dtype, config.schedule_capacity_multiplier, symmetric)
     ws = _CACHE.get(key)

@@ -78,3 +78,57 @@ def _mismatch_fn(rank, ep_size):
 @pytest.mark.slow
 def test_different_token_counts_across_ranks_raise():
     run_distributed(_mismatch_fn, 2)
+
+
+FP8_SHAPE = dict(hidden=256, inter=128)  # the recipe's 128-multiples
+
+
+def _fp8_inputs(ep_size):
+    return make_moe_inputs(num_tokens=T * ep_size, num_local_experts=E_LOC * ep_size, topk=K,
+                           seed=31, shared_inter=128, drop_fraction=0.1, **FP8_SHAPE)
+
+
+def _fp8_rank_fn(rank, ep_size, wgrad, out_dir):
+    from megatron_mok.config import MoKConfig
+    g = _fp8_inputs(ep_size)
+    tokens = slice(rank * T, (rank + 1) * T)
+    experts = slice(rank * E_LOC, (rank + 1) * E_LOC)
+    local = {"x": g["x"][tokens], "topk_idx": g["topk_idx"][tokens],
+             "topk_w": g["topk_w"][tokens], "w1": g["w1"][experts], "w2": g["w2"][experts],
+             "shared_w1": g["shared_w1"], "shared_w2": g["shared_w2"]}
+    leaves = {k: v.clone().contiguous().requires_grad_() if v.is_floating_point()
+              else v.contiguous() for k, v in local.items()}
+    config = MoKConfig(backend="reference", fp8="blockwise", fp8_wgrad=wgrad)
+    y = mok.fused_moe(**leaves, group=dist.group.WORLD, config=config)
+    dy = torch.randn(T * ep_size, FP8_SHAPE["hidden"],
+                     generator=torch.Generator().manual_seed(32))[tokens]
+    y.backward(dy.bfloat16())
+    torch.save({"y": y.detach(), **{k: v.grad for k, v in leaves.items() if v.requires_grad}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size, wgrad", [(2, "fp8"), (2, "bf16"), (3, "fp8")])
+def test_fp8_ep_matches_single_process(tmp_path, ep_size, wgrad):
+    """Blockwise FP8 at EP > 1 (reference backend): each rank's output and gradients are
+    the single-process FP8 spec's over all tokens and experts. Every quantisation is per
+    row or per expert over the same rows in the same order: the routed experts' weight
+    gradients are those bits; y and dx differ by the order of fp32 sums (across ranks,
+    and the BF16 shared expert's GEMMs over T rows instead of T * P)."""
+    from megatron_mok import reference_fp8
+    run_distributed(_fp8_rank_fn, ep_size, wgrad, str(tmp_path))
+    g = _fp8_inputs(ep_size)
+    leaves = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in g.items()}
+    y = reference_fp8.moe_reference_fp8(**leaves, wgrad=wgrad)
+    y.backward(torch.randn(T * ep_size, FP8_SHAPE["hidden"],
+                           generator=torch.Generator().manual_seed(32)).bfloat16())
+    for rank in range(ep_size):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        tokens = slice(rank * T, (rank + 1) * T)
+        experts = slice(rank * E_LOC, (rank + 1) * E_LOC)
+        # The shared expert's GEMMs see T rows here, T * P there: y to bf16 rounding.
+        assert rel_l2(got["y"], y[tokens]) < 1e-3
+        assert rel_l2(got["x"], leaves["x"].grad[tokens]) < 1e-5
+        assert rel_l2(got["topk_w"], leaves["topk_w"].grad[tokens]) < 1e-5
+        assert torch.equal(got["w1"], leaves["w1"].grad[experts])
+        assert torch.equal(got["w2"], leaves["w2"].grad[experts])

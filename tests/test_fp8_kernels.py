@@ -205,6 +205,33 @@ def test_fp8_dgrad_swiglu_routed_matches_fp32(routing):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("inter", [384, 768])
+def test_fp8_dgrad_quantises_d_h_as_the_row_quantiser(routing, inter):
+    """The fc2 dgrad's epilogue quantises d_h (E4M3 rows, transposed scales) with the bits of
+    quantize_rows over the d_h it stores, and the d_h, dots and act_scaled it returns are
+    those of the launch without the quantisation."""
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    E, hidden = len(offs) - 1, 512
+    dy = rand_bf16(capacity, hidden, seed=24, real=real)
+    h = rand_bf16(capacity, 2 * inter, seed=25, scale=2.0)
+    row_w = torch.rand(capacity, generator=torch.Generator().manual_seed(26)).cuda()
+    row_w[~real.cuda()] = 0
+    w2 = f8.quantize_weights(rand_bf16(E, hidden, inter, seed=27, scale=inter ** -0.5))
+    dyq, dys = f8.quantize_rows(dy)
+    plain = f8.dgrad_swiglu_routed(dyq, dys, row_w, w2, h, offsets, num_rows)
+    d_h, dots_part, act_scaled, (dhq, dhs) = f8.dgrad_swiglu_routed(
+        dyq, dys, row_w, w2, h, offsets, num_rows, quantize_dh=True)
+    n = int(num_rows)  # rows the kernels write
+    for got, want in zip((d_h, dots_part, act_scaled), plain):
+        assert torch.equal(got[:n], want[:n])
+    want_q, want_s = f8.quantize_rows(d_h[:n].contiguous())
+    assert torch.equal(_bits(dhq[:n]), _bits(want_q))
+    assert torch.equal(dhs[:, :n], want_s)
+    assert bool((dhs[:, :n] != 1).any())  # real groups, not only zero-row scales
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [640, 384])
 def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows):
     """The one-pass gather (EP = 1): its E4M3 rows and scales are the gathered bf16 rows

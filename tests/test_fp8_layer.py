@@ -65,8 +65,7 @@ def test_what_fp8_does_not_cover_yet_is_refused():
     with pytest.raises(ValueError, match="multiples of 128.*or run the MoE layers in BF16"):
         mok.fused_moe(**inputs, config=FP8)
     ok = dict(hidden=256, inter=128, biases=False)
-    with pytest.raises(ValueError, match="EP = 1.*--expert-model-parallel-size 1"):
-        check_fp8_pass(FP8, ep_size=2, **ok)
+    check_fp8_pass(FP8, ep_size=8, **ok)  # the spec runs at every EP size
     with pytest.raises(ValueError, match="SwiGLU experts.*--swiglu"):
         check_fp8_pass(MoKConfig(fp8="blockwise", activation=A.GPT_OSS), ep_size=1, **ok)
     with pytest.raises(ValueError, match="without biases.*--disable-bias-linear"):
@@ -79,6 +78,8 @@ def test_what_fp8_does_not_cover_yet_is_refused():
         with pytest.raises(ValueError, match="--mok-fp8-wgrad bf16.*--mok-backend reference"):
             check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="fp8"))
         check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="bf16"))  # the kernels' FP8
+        with pytest.raises(ValueError, match="FP8 runs at EP = 1.*--expert-model-parallel-size 1"):
+            check_kernel_config(dataclasses.replace(FP8, fp8_wgrad="bf16"), ep_size=2)
     finally:
         knobs.set_env("MOK_FP8_KERNELS", None)
     with pytest.raises(RuntimeError, match="not available"):
@@ -128,7 +129,8 @@ def test_mok_fp8_flag_reaches_the_config():
 
 def _layer_fn(rank, world_size):
     """MokMoELayer with --mok-fp8 blockwise: its output is the FP8 spec of its own router's
-    choice and its experts' weights; construction refuses H or I off the 128 grid."""
+    choice and its experts' weights (at EP > 1 the spec over the EP group, this rank's
+    experts); construction refuses H or I off the 128 grid."""
     import test_dispatcher_contract as contract
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron_mok.megatron import MokMoELayer
@@ -145,15 +147,18 @@ def _layer_fn(rank, world_size):
     topk_w, topk_idx = probs.topk(2, dim=1)  # the router's top-2 (probs are 0 elsewhere)
     out, _ = layer(hidden)
     fc1, fc2 = expert_weight_list(layer.experts)
+    from megatron.core import parallel_state
+    group = parallel_state.get_expert_model_parallel_group() if world_size > 1 else None
     want = reference_fp8.moe_reference_fp8(
         hidden.view(-1, 128), topk_idx.int(), topk_w.float(), torch.stack(fc1),
-        torch.stack(fc2))
+        torch.stack(fc2), group=group)
     assert rel_l2(out.view(-1, 128), want) < 1e-6
     with pytest.raises(ValueError, match="multiples of 128"):
         MokMoELayer(contract._config("mok"), submodules=spec.keywords["submodules"],
                     layer_number=1, mok_config=FP8)
 
 
-def test_mok_moe_layer_runs_fp8_from_its_config():
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_mok_moe_layer_runs_fp8_from_its_config(ep_size):
     from dist_utils import run_distributed
-    run_distributed(_layer_fn, 1)
+    run_distributed(_layer_fn, ep_size)

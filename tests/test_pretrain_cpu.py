@@ -104,14 +104,15 @@ def test_mok_trains(ep):
     assert worst < 0.25, f"mok diverges from alltoall (EP={ep}) by {worst}:\n{ref}\n{losses}"
 
 
-def test_mok_fp8_follows_the_unquantised_run():
+@pytest.mark.parametrize("ep", [1, 2])
+def test_mok_fp8_follows_the_unquantised_run(ep):
     """--mok-fp8 blockwise (the experts' GEMMs through the blockwise FP8 spec; fp32 here, the
     CPU's precision) trains the tiny model along the unquantised curve: within 1 % at every
-    step, and not identical to it (the quantisation is applied)."""
-    fp8 = _train("mok", 1, ("--mok-fp8", "blockwise"),
+    step, and not identical to it (the quantisation is applied); at EP 1 and 2."""
+    fp8 = _train("mok", ep, ("--mok-fp8", "blockwise"),
                  want_log="runs the reference backend on cpu (experts in blockwise FP8)")
     _assert_trains(fp8)
-    plain = _train("mok", 1)
+    plain = _train("mok", ep)
     worst = max(abs(a - b) / b for a, b in zip(plain, fp8))
     assert 1e-6 < worst < 0.01, f"FP8 vs unquantised, worst relative gap {worst}:\n{plain}\n{fp8}"
 

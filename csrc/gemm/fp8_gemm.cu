@@ -181,14 +181,18 @@ void grouped_fp8_fc1_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scale_
 // d_h [rows, 2I] bf16 = SwiGLU'(h) * w * (dq(dy) @ dq(w2t[e])^T): dy [rows, H] E4M3 with
 // dy_scale_t [H / 128, >= rows], w2t [E, I, H] E4M3 (w2 transposed, quantised in 128 x 128
 // blocks along H) with w2t_scale [E, I / 128, H / 128]; h [rows, 2I] bf16. row_w,
-// dots_part [rows, I / 128], act_scaled [rows, I] as grouped_dgrad_swiglu's (together).
+// dots_part [rows, I / 128], act_scaled [rows, I] as grouped_dgrad_swiglu's (together);
+// dh_q [rows, 2I] E4M3 and dh_scale_t [2I / 128, >= rows] (together): d_h quantised 1 x 128
+// from its bf16 values in the same epilogue (the bits of quantize_fp8_rows(d_h)).
 void grouped_fp8_dgrad_swiglu_cuda(const at::Tensor& dy, const at::Tensor& dy_scale_t,
                                    const at::Tensor& w2t, const at::Tensor& w2t_scale,
                                    const at::Tensor& offsets, const at::Tensor& num_rows,
                                    const at::Tensor& h, const at::Tensor& d_h, int64_t max_ctas,
                                    const std::optional<at::Tensor>& row_w,
                                    const std::optional<at::Tensor>& dots_part,
-                                   const std::optional<at::Tensor>& act_scaled) {
+                                   const std::optional<at::Tensor>& act_scaled,
+                                   const std::optional<at::Tensor>& dh_q,
+                                   const std::optional<at::Tensor>& dh_scale_t) {
   check_fp8_cuda(dy, "dy_rows", 2);
   check_fp8_cuda(w2t, "w2t", 3);
   check_bf16_cuda(h, "h", 2);
@@ -207,6 +211,18 @@ void grouped_fp8_dgrad_swiglu_cuda(const at::Tensor& dy, const at::Tensor& dy_sc
   GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8DgradSwiGLU<1>::BN);
   p.h_in = reinterpret_cast<const __nv_bfloat16*>(h.data_ptr());
   set_row_scale(p, row_w, dots_part, act_scaled, R, I, dy.device());
+  TORCH_CHECK(dh_q.has_value() == dh_scale_t.has_value(),
+              "megatron_mok: dh_q and dh_scale_t go together");
+  if (dh_q.has_value()) {  // d_h quantised in the epilogue as well (fc1 dgrad's A)
+    check_fp8_cuda(*dh_q, "dh_q", 2);
+    TORCH_CHECK(dh_q->sizes() == d_h.sizes() && dh_q->device() == dy.device(),
+                "megatron_mok: dh_q must be d_h's shape on its device");
+    check_a_scale(*dh_scale_t, 2 * I, R);
+    TORCH_CHECK(dh_scale_t->device() == dy.device(), "megatron_mok: dh_scale_t must be on dy's device");
+    p.dh_q = reinterpret_cast<uint8_t*>(dh_q->data_ptr());
+    p.dh_scale_t = dh_scale_t->data_ptr<float>();
+    p.dh_scale_ld = dh_scale_t->stride(0);
+  }
   const Fp8Scales s{dy_scale_t.data_ptr<float>(), dy_scale_t.stride(0),
                     w2t_scale.data_ptr<float>(), int(I / kGroup), int(H / kGroup), 0};
   with_fp8_cluster<CfgFp8DgradSwiGLU>([&](auto cfg) {

@@ -57,6 +57,8 @@ struct Fp8GemmConfig {
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr bool kGlu = false;
   static constexpr int kAct = 0;
+  // kSwiGLUBwd: the epilogue can also quantise d_h 1 x 128 for fc1's dgrad (GemmParams::dh_q).
+  static constexpr bool kQuantDh = kEpi == Epi::kSwiGLUBwd;
   static constexpr Grouping group = Grouping::kRows;
   static constexpr Epi epi = kEpi;
   static constexpr int kSplit = kEpi == Epi::kSwiGLU ? 2 : 1;  // B boxes per tile

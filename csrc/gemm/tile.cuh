@@ -42,12 +42,15 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
+
+#include <type_traits>
 
 namespace megatron_mok::gemm {
 
@@ -180,7 +183,21 @@ struct GemmParams {
   int64_t bias_stride;
   // kAct / kActBwd with kSigmoidGated: x sigmoid(act_alpha x); kActBwd's h_in is [rows, N].
   float act_alpha;
+  // kSwiGLUBwd of a config with kQuantDh (the FP8 dgrad): d_h also quantised 1 x 128 along
+  // its 2N columns from its bf16 rounding (the bits of quantising the stored d_h): E4M3
+  // dh_q [rows, 2N] and scales dh_scale_t[g * dh_scale_ld + r], groups g < N / 128 the gate
+  // columns, then the up columns. nullptr: not quantised.
+  uint8_t* dh_q;
+  float* dh_scale_t;
+  int64_t dh_scale_ld;
 };
+
+// Cfg::kQuantDh where a config defines it (the FP8 configs), else false.
+template <class Cfg, class = void>
+struct QuantizesDh : std::false_type {};
+template <class Cfg>
+struct QuantizesDh<Cfg, std::void_t<decltype(Cfg::kQuantDh)>>
+    : std::bool_constant<Cfg::kQuantDh> {};
 
 __device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
   // Last e with offsets[e] <= row; empty experts (equal offsets) are skipped over.
@@ -823,6 +840,68 @@ __device__ __forceinline__ void store_act_scaled(const GemmParams& p, int r, int
   }
 }
 
+// kQuantDh: this tile's d_h (128 rows x 128 columns of each of gate and up: exactly one
+// 1 x 128 group per row and plane, BN = 128) quantised from the bf16 values the epilogue
+// stored. Group amax: a thread's 32 values of a row, then the 4 threads of its quad (fmaxf
+// is exact and order-free, so the scale is the row quantiser's); scale = amax / 448 (1 for
+// a zero group), q = rne_e4m3(v / scale) saturated. Values go out as 2-byte pairs from
+// registers (as act_scaled), the scales by the quad's first thread.
+template <class Cfg, class Acc, int kKept, int kPer>
+__device__ __forceinline__ void quantize_dh_tile(const GemmParams& p, const EpilogueState& es,
+                                                 const Task& task, int m0, const Acc& accum,
+                                                 const float (&dg)[kKept][kPer]) {
+  constexpr int BN = Cfg::BN, CW = Cfg::kChunkCols;
+  static_assert(BN == 128 && kKept == BN / CW, "one 1 x 128 group per row and plane");
+  auto bf16_value = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
+  // plane 0: d_gate (kept), plane 1: d_up (in the accumulators).
+  auto value = [&](int plane, int q, int jb, int half, int e) {
+    return plane == 0 ? bf16_value(dg[q][4 * jb + 2 * half + e])
+                      : bf16_value(accum(4 * (q * (CW / 8) + jb) + 2 * half + e));
+  };
+  float scale[2][2];  // [plane][half]
+  CUTE_UNROLL
+  for (int plane = 0; plane < 2; ++plane) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      float amax = 0.f;
+      CUTE_UNROLL
+      for (int q = 0; q < kKept; ++q) {
+        CUTE_UNROLL
+        for (int jb = 0; jb < CW / 8; ++jb) {
+          amax = fmaxf(amax, fmaxf(fabsf(value(plane, q, jb, half, 0)),
+                                   fabsf(value(plane, q, jb, half, 1))));
+        }
+      }
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      scale[plane][half] = amax > 0.f ? amax / 448.f : 1.f;
+    }
+  }
+  const int groups = p.N / 128;
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int64_t r = m0 + 64 * es.wg + es.row_t + 8 * half;
+    CUTE_UNROLL
+    for (int plane = 0; plane < 2; ++plane) {
+      uint8_t* row_q = p.dh_q + r * 2 * p.N + plane * p.N + task.n_tile * BN + es.col_t;
+      const float sc = scale[plane][half];
+      CUTE_UNROLL
+      for (int q = 0; q < kKept; ++q) {
+        CUTE_UNROLL
+        for (int jb = 0; jb < CW / 8; ++jb) {
+          const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
+              make_float2(value(plane, q, jb, half, 0) / sc, value(plane, q, jb, half, 1) / sc),
+              __NV_SATFINITE, __NV_E4M3);
+          *reinterpret_cast<__nv_fp8x2_storage_t*>(row_q + q * CW + 8 * jb) = pair;
+        }
+      }
+      if (es.col_t == 0) {
+        p.dh_scale_t[int64_t(plane * groups + task.n_tile) * p.dh_scale_ld + r] = sc;
+      }
+    }
+  }
+}
+
 // The epilogue of one task for one consumer warpgroup, by Cfg::epi. Output views for the
 // TMA stores are 3-D (rows, cols, planes): kRows out (rows, N, 1), kTokensAsK out (M, N, E);
 // tma_h views [rows, 2I] as (rows, I, 2), gate and up as planes 0 and 1: the SwiGLU
@@ -945,14 +1024,19 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
     // recomputes act = silu(g) * u, sums <acc, act> per row (d_topk_w: <dy, y_row> without
     // reading y rows) and stores w * act for dW2 straight from registers.
     constexpr int kPer = CW / 2;  // values of one chunk and plane held by a thread
+    // kQuantDh keeps every chunk's d_gate (the FP8 consumers' promotion partial is dead
+    // here, so the registers are there): the row's 128-column group amax needs them all.
+    constexpr bool kQuant = QuantizesDh<Cfg>::value;
+    constexpr int kKept = kQuant ? BN / CW : 1;
     const bool scaled = p.row_scale != nullptr;
     float w[2] = {1.f, 1.f}, dot[2] = {0.f, 0.f};
     if (scaled) load_row_scales(p, es, m0, w);
+    float dg_kept[kKept][kPer];
     CUTE_UNROLL
     for (int q = 0; q < BN / CW; ++q) {
       if (task.n_tile * BN + q * CW < p.N) {
         const int col_chunk = task.n_tile * (BN / CW) + q, base = 4 * q * (CW / 8);
-        float dg[kPer];
+        float (&dg)[kPer] = dg_kept[kQuant ? q : 0];
         hsrc.begin_chunk();
         swiglu_bwd_chunk<Cfg>(es, task, m0, q, hsrc, [&](int i, int l, int half, int r, int c,
                                                          float2 g, float2 u) {
@@ -989,6 +1073,9 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
       }
     }
     if (scaled) store_row_dots(p, es, m0, task, dot);
+    if constexpr (kQuant) {
+      if (p.dh_q != nullptr) quantize_dh_tile<Cfg>(p, es, task, m0, accum, dg_kept);
+    }
   }
 }
 

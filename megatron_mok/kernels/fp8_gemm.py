@@ -20,8 +20,8 @@ row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments 
 The GEMMs promote their fp32 partial every 128 of K (docs/fp8.md), so the sums follow a
 fixed order: bitwise deterministic and independent of the grid size, as the BF16 core.
 The weight gradients run on the BF16 core (MoKConfig.fp8_wgrad = "bf16"); x and dy are
-quantised where they are gathered (EP = 1), act and d_h by a separate pass over each (not
-yet fused into the epilogues).
+quantised where they are gathered (EP = 1), d_h in the fc2 dgrad's epilogue, act by a
+separate pass (not yet fused into fc1's epilogue).
 """
 
 from __future__ import annotations
@@ -173,12 +173,13 @@ def fc1_swiglu(xq: torch.Tensor, x_scale_t: torch.Tensor, w1q: torch.Tensor,
 
 def dgrad_swiglu_routed(dyq: torch.Tensor, dy_scale_t: torch.Tensor, row_w: torch.Tensor,
                         w2: Fp8Weight, h: torch.Tensor, expert_offsets: torch.Tensor,
-                        num_rows: torch.Tensor, max_ctas: int = 0
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        num_rows: torch.Tensor, max_ctas: int = 0, quantize_dh: bool = False):
     """fc2's dgrad in FP8 with the router weights and the SwiGLU backward in its epilogue, as
     grouped_gemm.dgrad_swiglu_routed: dy rows (unscaled) quantised 1 x 128 along H, w2's
     transposed blocks. Returns (d_h [R, 2I] bf16, dots_part [R, I / 128] fp32 (<acc, act>
-    per 128-column tile), act_scaled [R, I] bf16 = row_w * SwiGLU(h))."""
+    per 128-column tile), act_scaled [R, I] bf16 = row_w * SwiGLU(h)); quantize_dh: also
+    (dh_q, dh_scale_t), d_h quantised 1 x 128 by the same epilogue from its bf16 values
+    (the bits of quantize_rows(d_h); rows at and past num_rows unwritten)."""
     _check_gemm(dyq, dy_scale_t, w2.qt, w2.scale_t, expert_offsets, num_rows)
     rows, inter = dyq.shape[0], w2.qt.shape[1]
     _check(h, "h", torch.bfloat16, 2)
@@ -187,9 +188,17 @@ def dgrad_swiglu_routed(dyq: torch.Tensor, dy_scale_t: torch.Tensor, row_w: torc
     d_h = torch.empty_like(h)
     dots_part = torch.empty(rows, inter // GROUP_SIZE, dtype=torch.float32, device=h.device)
     act_scaled = torch.empty(rows, inter, dtype=torch.bfloat16, device=h.device)
+    dh_q = dh_scale_t = None
+    if quantize_dh:
+        dh_q = torch.empty(rows, 2 * inter, dtype=FP8, device=h.device)
+        dh_scale_t = torch.empty(2 * inter // GROUP_SIZE, -(-rows // 4) * 4,
+                                 dtype=torch.float32, device=h.device)[:, :rows]
     torch.ops.megatron_mok.grouped_fp8_dgrad_swiglu(dyq, dy_scale_t, w2.qt, w2.scale_t,
                                                     expert_offsets, num_rows, h, d_h, max_ctas,
-                                                    row_w, dots_part, act_scaled)
+                                                    row_w, dots_part, act_scaled, dh_q,
+                                                    dh_scale_t)
+    if quantize_dh:
+        return d_h, dots_part, act_scaled, (dh_q, dh_scale_t)
     return d_h, dots_part, act_scaled
 
 
@@ -240,14 +249,13 @@ def expert_dgrad(dy_rows, row_w: torch.Tensor, w1: Fp8Weight, w2: Fp8Weight,
                  h: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
                  max_ctas: int = 0):
     """The FP8 experts' data gradients over the row table: dy rows quantised 1 x 128, fc2
-    dgrad + router weight + SwiGLU backward, d_h quantised 1 x 128 (from its bf16 rounding),
-    fc1 dgrad against w1's transposed blocks. dy_rows: bf16 rows, or (E4M3 rows, scale_t)
+    dgrad + router weight + SwiGLU backward with d_h quantised 1 x 128 (from its bf16
+    rounding) in the same epilogue, fc1 dgrad against w1's transposed blocks. dy_rows: bf16 rows, or (E4M3 rows, scale_t)
     already quantised (gather_quantize_rows of dy). Returns (d_h, dots_part, act_scaled,
     dx_rows)."""
     dyq, dys = dy_rows if isinstance(dy_rows, tuple) else quantize_rows(dy_rows)
-    d_h, dots_part, act_scaled = dgrad_swiglu_routed(dyq, dys, row_w, w2, h, expert_offsets,
-                                                     num_rows, max_ctas)
-    dhq, dhs = quantize_rows(d_h)
+    d_h, dots_part, act_scaled, (dhq, dhs) = dgrad_swiglu_routed(
+        dyq, dys, row_w, w2, h, expert_offsets, num_rows, max_ctas, quantize_dh=True)
     dx_rows = rows_matmul(dhq, dhs, w1.qt, w1.scale_t, expert_offsets, num_rows,
                           max_ctas=max_ctas)
     return d_h, dots_part, act_scaled, dx_rows

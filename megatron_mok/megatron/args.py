@@ -97,8 +97,9 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mok-fp8", choices=FP8_RECIPES, default=None,
                        help="Run the routed experts in FP8 with this recipe (blockwise: E4M3, "
                             "1 x 128 / 128 x 128 scales) without Megatron's --fp8-format for "
-                            "the rest of the model; the shared expert stays BF16. So far on "
-                            "the reference backend, EP = 1.")
+                            "the rest of the model; the shared expert stays BF16. The "
+                            "reference backend runs it at any EP size, the kernel backend "
+                            "at EP = 1 with MOK_FP8_KERNELS=1.")
     group.add_argument("--mok-fp8-wgrad", choices=FP8_WGRAD, default=defaults.fp8_wgrad,
                        help="Precision of the FP8 experts' weight-gradient GEMMs.")
     return parser

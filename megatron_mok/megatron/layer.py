@@ -234,7 +234,8 @@ class MokMoELayer(MoELayer):
         """hidden_states [T, H] and probs = topk_w [T, K] from MokTokenDispatcher."""
         if not self._backend_logged:
             self._backend_logged = True
-            backend = resolve_backend(self.mok_config, hidden_states.device, hidden_states.dtype)
+            backend = resolve_backend(self.mok_config, hidden_states.device, hidden_states.dtype,
+                                      self.config.expert_model_parallel_size or 1)
             experts = f"{self.mok_config.fp8} FP8" if self.mok_config.fp8 else \
                 str(hidden_states.dtype).replace("torch.", "")
             log_single_rank(logger, logging.INFO,
