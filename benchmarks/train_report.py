@@ -4,7 +4,8 @@ expert weight gradients fused into main_grad (`mokfused`) strays from `mok`.
 
     python -m benchmarks.train_report LOG... [--out DIR]
 
-Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2, mokfused, mokfp8, mokfp82}. Tokens/s is the
+Log names: train_<config>_<run>.log, run in {mok, alltoall, mok2, mokfused, mokfp8, mokfp82,
+mokmfp8, alltoallfp8} (the last two: Megatron's --fp8-format e4m3 --fp8-recipe blockwise). Tokens/s is the
 median over steps after the first 5 (warm-up); a config named `<name>-ep<N>` ran on N GPUs
 and also gets tokens/s per GPU. Writes <date>-<gpu>-train-ep1.json (…-train-ep<N>.json when
 every config is an EP-N run; <gpu> from MOK_GPU_NAME, else the visible GPU, else "gpu"),
@@ -106,6 +107,20 @@ def summarise(runs: dict, peak_tflops: float | None = None) -> dict:
                 "tokens_per_s": {"bf16": tput(mok), "fp8": tput(fp8)},
                 "runs_identical": bool(fp82 and fp82["loss"] == fp8["loss"]) if fp82 else None,
             }
+        # Megatron's FP8 for the whole model (TE): mok's FP8 layer vs alltoall + TEGroupedMLP
+        # in FP8, as the BF16 pair above.
+        mfp8, afp8 = by_run.get("mokmfp8"), by_run.get("alltoallfp8")
+        if mfp8 and afp8 and mfp8["loss"] and afp8["loss"]:
+            n = min(len(mfp8["loss"]), len(afp8["loss"]))
+            fp8_pair = {"steps": n,
+                        "final_loss": {"mok": mfp8["loss"][n - 1], "alltoall": afp8["loss"][n - 1]},
+                        "tokens_per_s": {"mok": tput(mfp8), "alltoall": tput(afp8)}}
+            if fp8_pair["tokens_per_s"]["alltoall"]:
+                fp8_pair["speedup"] = fp8_pair["tokens_per_s"]["mok"] / fp8_pair["tokens_per_s"]["alltoall"]
+            for k, r in (("mok", mfp8), ("alltoall", afp8)):
+                if "peak_mem_gib" in r:
+                    fp8_pair.setdefault("peak_mem_gib", {})[k] = r["peak_mem_gib"]
+            entry["megatron_fp8"] = fp8_pair
         out[cfg] = entry
     return out
 
@@ -135,7 +150,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs: dict = {}
     for log in args.logs:
-        m = re.match(r"train_(.+)_(mokfp82|mokfp8|mok2|mokfused|mok|alltoall)\.log$",
+        m = re.match(r"train_(.+)_(mokfp82|mokfp8|mokmfp8|alltoallfp8|mok2|mokfused|mok|"
+                     r"alltoall)\.log$",
                      os.path.basename(log))
         if m:
             runs.setdefault(m[1], {})[m[2]] = parse(Path(log))

@@ -9,7 +9,9 @@
 # GPU; "qwen3-ep8" = the 16-layer Qwen3-30B-A3B config at EP 8 on an 8-GPU machine, issue
 # 7's end-to-end run), STEPS (50), RUN_TIMEOUT (seconds per run; 240, qwen3-ep8 900), RUNS
 # (default "mok alltoall mok2 mokfused"; "mokfp8" / "mokfp82": `mok` with --mok-fp8 blockwise
-# on the FP8 kernels, MOK_FP8_KERNELS=1, run twice for identical losses), EXTRA (flags
+# on the FP8 kernels, MOK_FP8_KERNELS=1, run twice for identical losses; "mokmfp8" /
+# "alltoallfp8": Megatron's own --fp8-format e4m3 --fp8-recipe blockwise for the whole model,
+# with mok's FP8 kernels / with alltoall + TEGroupedMLP: needs IMPL=te TE=1), EXTRA (flags
 # appended to every run, e.g. "--global-batch-size 4": the last occurrence wins), IMPL=te
 # (Transformer Engine everywhere else in the model, configs/te.args; TE=1 unpacks it, logs
 # train_<config>-te_<run>.log), PEAK_TFLOPS (the GPU's dense BF16 peak, for MFU).
@@ -42,6 +44,8 @@ for cfg in ${CONFIGS:-tiny qwen3}; do
     disp=${run%2} fused=() fp8=0
     [ "$run" = mokfused ] && disp=mok fused=(--mok-main-grad-fusion on)
     [ "$disp" = mokfp8 ] && disp=mok fused=(--mok-fp8 blockwise) fp8=1
+    [ "$disp" = mokmfp8 ] && disp=mok fused=(--fp8-format e4m3 --fp8-recipe blockwise) fp8=1
+    [ "$disp" = alltoallfp8 ] && disp=alltoall fused=(--fp8-format e4m3 --fp8-recipe blockwise)
     MOK_FP8_KERNELS=$fp8 NPROC=$nproc timeout "$limit" bash examples/train.sh "$file" "$disp" "${common[@]}" "${extra[@]}" \
       "${fused[@]}" ${EXTRA:-} > "$OUT/train_${cfg}${tag}_${run}.log" 2>&1
     echo "$cfg$tag $run exit $?: $(grep -cF '[megatron_mok] step' "$OUT/train_${cfg}${tag}_${run}.log") steps"

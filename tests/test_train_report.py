@@ -106,3 +106,17 @@ def test_gpu_step_lines_give_tflops_mfu_and_peak_memory(tmp_path):
     assert entry["mfu"] == {"mok": 305.5 / 800.0, "alltoall": 205.5 / 800.0}
     assert entry["peak_mem_gib"] == {"mok": 12.5, "alltoall": 20.0}
     assert "mfu" not in train_report.summarise(runs)["q"]  # no peak given: no MFU
+
+
+def test_megatron_fp8_runs_are_compared_as_a_pair(tmp_path):
+    losses = [6.9, 6.5, 6.1, 5.8, 5.5, 5.2, 5.0]
+    _log(tmp_path / "train_q-te_mokmfp8.log", losses, tps=3000)
+    _log(tmp_path / "train_q-te_alltoallfp8.log", [x + 0.01 for x in losses], tps=2000)
+    assert train_report.main([str(p) for p in sorted(tmp_path.glob("*.log"))]
+                             + ["--out", str(tmp_path)]) == 0
+    runs = {"q-te": {k: train_report.parse(tmp_path / f"train_q-te_{k}.log")
+                     for k in ("mokmfp8", "alltoallfp8")}}
+    pair = train_report.summarise(runs)["q-te"]["megatron_fp8"]
+    assert pair["steps"] == 7 and pair["tokens_per_s"] == {"mok": 3005.5, "alltoall": 2005.5}
+    assert abs(pair["speedup"] - 3005.5 / 2005.5) < 1e-9
+    assert abs(pair["final_loss"]["alltoall"] - 5.01) < 1e-9
