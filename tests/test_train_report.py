@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import train_report
 
 
@@ -120,3 +122,21 @@ def test_megatron_fp8_runs_are_compared_as_a_pair(tmp_path):
     assert pair["steps"] == 7 and pair["tokens_per_s"] == {"mok": 3005.5, "alltoall": 2005.5}
     assert abs(pair["speedup"] - 3005.5 / 2005.5) < 1e-9
     assert abs(pair["final_loss"]["alltoall"] - 5.01) < 1e-9
+
+
+def test_loss_curves_plot_as_svg(tmp_path):
+    import xml.etree.ElementTree as ET
+    from benchmarks import plot_train
+    _log(tmp_path / "train_q_mok.log", [6.9, 6.5, 6.1, 5.8, 5.5, 5.2, 5.0])
+    _log(tmp_path / "train_q_mokfp8.log", [6.9, 6.6, 6.1, 5.9, 5.5, 5.3, 5.1])
+    assert train_report.main([str(p) for p in sorted(tmp_path.glob("*.log"))]
+                             + ["--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("*-train-ep1.json")
+    svg = tmp_path / "curves.svg"
+    assert plot_train.main([str(result), "--out", str(svg), "--smooth", "3"]) == 0
+    root = ET.fromstring(svg.read_text())  # well-formed
+    lines = [e for e in root.iter() if e.tag.endswith("polyline")]
+    assert [e.find("{http://www.w3.org/2000/svg}title").text for e in lines] == ["mok", "mokfp8"]
+    assert all(len(e.get("points").split()) == 7 for e in lines)
+    assert plot_train.running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert plot_train.nice_ticks(0.0, 1.0) == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
