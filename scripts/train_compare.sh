@@ -52,3 +52,6 @@ for cfg in ${CONFIGS:-tiny qwen3}; do
   done
 done
 $PY -m benchmarks.train_report "$OUT"/train_*.log --out "$OUT" ${PEAK_TFLOPS:+--peak-tflops $PEAK_TFLOPS}
+for result in "$OUT"/*-train-ep*.json; do
+  [ -f "$result" ] && $PY -m benchmarks.plot_train "$result" --out "${result%.json}.svg" --smooth 10
+done
