@@ -159,6 +159,15 @@ def test_bad_inputs_raise_before_any_launch():
         f8.quantize_weight(torch.zeros(2, 100, 256))
     with pytest.raises(ValueError, match=r"\[E, N, K\]"):
         f8.quantize_weight(torch.zeros(100, 256))
+    sched = None  # the checks of x come first
+    with pytest.raises(ValueError, match="CUDA"):
+        f8.gather_quantize_rows(x, sched)
+    with pytest.raises(TypeError, match="bfloat16"):
+        f8.gather_quantize_rows(x.half(), sched)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        f8.gather_quantize_rows(torch.zeros(128, 200, dtype=torch.bfloat16), sched)
+    with pytest.raises(ValueError, match="contiguous"):
+        f8.gather_quantize_rows(torch.zeros(256, 256, dtype=torch.bfloat16)[::2], sched)
 
 
 @pytest.mark.gpu
@@ -233,13 +242,14 @@ def test_fp8_dgrad_quantises_d_h_as_the_row_quantiser(routing, inter):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [640, 384])
-def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows):
+@pytest.mark.parametrize("hidden", [512, 640])  # 640: a warp's 4 groups span two rows
+def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows, hidden):
     """The one-pass gather (EP = 1): its E4M3 rows and scales are the gathered bf16 rows
     quantised, bit for bit; its bf16 rows and router weights what pull_rows gives (padding
     rows zeros with scale 1, weight 0); rows below num_rows are written."""
     from types import SimpleNamespace
     g = torch.Generator().manual_seed(22)
-    tokens, hidden, capacity, topk = 200, 512, 640, 4
+    tokens, capacity, topk = 200, 640, 4
     x = rand_bf16(tokens, hidden, seed=23)
     topk_w = torch.rand(tokens, topk, generator=g).cuda()
     peer_token = torch.randint(0, tokens, (capacity,), generator=g).int()
@@ -267,3 +277,13 @@ def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows):
     (q2, s2), none_rows, none_w = f8.gather_quantize_rows(x, sched)
     assert none_rows is None and none_w is None
     assert torch.equal(_bits(q2[:n]), _bits(q[:n])) and torch.equal(s2[:, :n], scale_t[:, :n])
+    # Rows at and past num_rows are left as they were (sentinels).
+    q3 = torch.full_like(q.view(torch.uint8), 0x7E).view(torch.float8_e4m3fn)
+    s3 = torch.full_like(scale_t, -5.0)
+    rows3, w3 = torch.full_like(rows, 7.0), torch.full_like(row_w, -3.0)
+    torch.ops.megatron_mok.gather_quantize_fp8_rows(
+        x, sched.peer_rank, sched.peer_token, sched.peer_k, sched.num_rows, topk_w, q3, s3,
+        rows3, w3)
+    assert torch.equal(_bits(q3[:n]), _bits(q[:n])) and torch.equal(rows3[:n], rows[:n])
+    assert bool((_bits(q3[n:]) == 0x7E).all()) and bool((s3[:, n:] == -5.0).all())
+    assert bool((rows3[n:] == 7.0).all()) and bool((w3[n:] == -3.0).all())

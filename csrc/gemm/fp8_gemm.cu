@@ -369,6 +369,7 @@ void gather_quantize_fp8_rows_cuda(const at::Tensor& x, const at::Tensor& peer_r
   TORCH_CHECK(q.size(1) == K && q.device() == x.device(),
               "megatron_mok: q must be [capacity, K] on x's device");
   check_a_scale(scale_t, K, capacity);
+  TORCH_CHECK(scale_t.device() == x.device(), "megatron_mok: scale_t must be on x's device");
   for (const at::Tensor* t : {&peer_rank, &peer_token, &peer_k}) {
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous() &&
                     t->numel() == capacity && t->device() == x.device(),
