@@ -10,6 +10,10 @@ events, L2 flushed before every iteration, median:
   bf16 fwd     fc1 + SwiGLU, fc2 on the BF16 core
   fp8 fwd      quantise x rows, FP8 fc1 + SwiGLU, quantise act, FP8 fc2 (the chain)
   fp8 fc1, fp8 fc2, quantise x, quantise act   each alone
+  fp8 dgrad (fc2 dgrad + SwiGLU backward) without / with d_h quantised in its epilogue,
+  and the separate d_h quantiser; the EP = 1 gather + quantise of token rows (alone, and
+  with the bf16 rows and router weights) against the unfused per-token quantiser +
+  index_select it replaced
 
 FLOPs count the useful rows only. The dense FP8 peak is `torch._scaled_mm` on 8192^3 E4M3
 operands with per-row / per-column fp32 scales (cuBLAS), the BF16 peak `torch.mm`. The FP8
@@ -51,14 +55,35 @@ def measure_fp8_peak(device: torch.device, n: int = PEAK_N, warmup: int = 5,
     return 2.0 * n ** 3 / (statistics.median(times) * 1e-3) / 1e12
 
 
-def fns_of(case):
+def unfused_gather_quantize(x_tok: torch.Tensor, sched):
+    """The f1b7a9e path that gather_quantize_rows replaced: x quantised per token (plus a
+    zero row for the padding rows), then its E4M3 rows and scales gathered by index_select."""
+    tokens, hidden = x_tok.shape
+    xq = torch.empty(tokens + 1, hidden, dtype=f8.FP8, device=x_tok.device)
+    xs = torch.empty(hidden // 128, -(-(tokens + 1) // 4) * 4, dtype=torch.float32,
+                     device=x_tok.device)[:, :tokens + 1]
+    f8.quantize_rows(x_tok, xq[:tokens], xs[:, :tokens])
+    xq[tokens].view(torch.uint8).zero_()
+    xs[:, tokens].fill_(1.0)
+    token = torch.where(sched.peer_rank >= 0, sched.peer_token, tokens).long()
+    return xq.view(torch.uint8).index_select(0, token).view(f8.FP8), xs.index_select(1, token)
+
+
+def fns_of(case, num_tokens: int):
     s = case["sched"]
     offsets, num_rows = s.expert_offsets, s.num_rows
-    x, w1, w2 = case["x"], case["w1"], case["w2"]
+    x, w1, w2, d_out = case["x"], case["w1"], case["w2"], case["d_out"]
     w1q, w2q = f8.quantize_weight(w1), f8.quantize_weight(w2)
+    w2f = f8.quantize_weights(w2)
     xq, xs = f8.quantize_rows(x)
-    act_bf, _ = f8.fc1_swiglu(xq, xs, w1q.data, w1q.scale, offsets, num_rows, save_h=False)
+    act_bf, h = f8.fc1_swiglu(xq, xs, w1q.data, w1q.scale, offsets, num_rows, save_h=True)
     aq, as_ = f8.quantize_rows(act_bf)
+    dq, ds = f8.quantize_rows(d_out)
+    row_w = torch.rand(x.shape[0], device=x.device) * (s.peer_rank >= 0)
+    d_h = f8.dgrad_swiglu_routed(dq, ds, row_w, w2f, h, offsets, num_rows)[0]
+    gen = torch.Generator(device=x.device).manual_seed(1)
+    x_tok = torch.randn(num_tokens, x.shape[1], generator=gen, device=x.device).bfloat16()
+    topk_w = torch.rand(num_tokens, int(s.peer_k.max()) + 1, generator=gen, device=x.device)
     return {
         "bf16_fwd": lambda: gg.rows_matmul(
             gg.fc1_swiglu(x, w1, offsets, num_rows, save_h=False)[0], w2, offsets, num_rows),
@@ -70,6 +95,18 @@ def fns_of(case):
         "quant_act": lambda: f8.quantize_rows(act_bf),
         # both weights, both layouts, on the device (once per pass, or once per step)
         "quant_w": lambda: (f8.quantize_weights(w1), f8.quantize_weights(w2)),
+        # the fc2 dgrad + SwiGLU backward alone, with d_h quantised in its epilogue, and
+        # the separate quantiser that epilogue replaces
+        "fp8_dgrad": lambda: f8.dgrad_swiglu_routed(dq, ds, row_w, w2f, h, offsets, num_rows),
+        "fp8_dgrad_qdh": lambda: f8.dgrad_swiglu_routed(dq, ds, row_w, w2f, h, offsets,
+                                                        num_rows, quantize_dh=True),
+        "quant_dh": lambda: f8.quantize_rows(d_h),
+        # x rows from the tokens at EP = 1: one pass (forward), one pass with the bf16 rows
+        # and router weights (backward's dy), and the unfused f1b7a9e path
+        "gather_quant": lambda: f8.gather_quantize_rows(x_tok, s),
+        "gather_quant_rows_w": lambda: f8.gather_quantize_rows(x_tok, s, topk_w=topk_w,
+                                                               keep_rows=True),
+        "gather_quant_unfused": lambda: unfused_gather_quantize(x_tok, s),
     }
 
 
@@ -104,12 +141,13 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         local = S.ep8_proxy(S.get_shape(name))
         case = make_case(local, args.tokens, args.routing, device)
-        fns = fns_of(case)
+        fns = fns_of(case, args.tokens)
         used = int(case["sched"].num_rows.item())
         err = rel_l2(fns["fp8_fwd"]()[:used].float(), fns["bf16_fwd"]()[:used].float())
         R, H, I = case["routes"], local.hidden, local.inter
         flops = {"bf16_fwd": 6.0 * R * H * I, "fp8_fwd": 6.0 * R * H * I,
-                 "fp8_fc1": 4.0 * R * H * I, "fp8_fc2": 2.0 * R * H * I}
+                 "fp8_fc1": 4.0 * R * H * I, "fp8_fc2": 2.0 * R * H * I,
+                 "fp8_dgrad": 2.0 * R * H * I, "fp8_dgrad_qdh": 2.0 * R * H * I}
         rec = dict(shape=name, T=args.tokens, routing=args.routing, E_loc=local.num_local_experts,
                    H=H, I=I, K=local.topk, routes=R, rel_l2_fp8_vs_bf16=err)
         line = [f"{name:14}"]
