@@ -443,3 +443,37 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(TypeError, match="wgrad accumulates in float32"):
         gg.wgrad(x, x, offsets, out_dtype=torch.bfloat16,
                  accumulate_into=torch.zeros(1, 64, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [320, 2048])
+def test_wgrad_gathering_its_rows_gives_the_bits_of_gathered_rows(n):
+    """MOK_WGRAD_GATHER's kernel: b given as the tokens and a row table (token per row,
+    padding rows zero) gives the bits of passing the gathered rows, for bf16 and fp32 outputs
+    and accumulated into main_grad planes."""
+    offsets, num_rows, capacity, real = _row_table(COUNTS["ragged"])
+    g = torch.Generator().manual_seed(41)
+    tokens = 300
+    x = (torch.randn(tokens, n, generator=g)).bfloat16().cuda()
+    peer_token = torch.randint(0, tokens, (capacity,), generator=g).int()
+    peer_rank = torch.zeros(capacity, dtype=torch.int32)
+    peer_rank[~real], peer_token[~real] = -1, -1
+    pad = torch.rand(capacity, generator=g) < 0.05  # a few padding rows inside segments too
+    peer_rank[pad], peer_token[pad] = -1, -1
+    peer_rank, peer_token = peer_rank.cuda(), peer_token.cuda()
+    routed = (peer_rank >= 0).unsqueeze(1)
+    rows = torch.where(routed, x[peer_token.clamp(min=0).long()], torch.zeros((), dtype=x.dtype,
+                                                                          device="cuda"))
+    a = _rows(capacity, 256, real, seed=42)
+    gather = (peer_rank, peer_token)
+    assert torch.equal(gg.wgrad(a, x, offsets, gather=gather), gg.wgrad(a, rows, offsets))
+    dw32 = gg.wgrad(a, rows, offsets, out_dtype=torch.float32)
+    assert torch.equal(gg.wgrad(a, x, offsets, out_dtype=torch.float32, gather=gather), dw32)
+    main_grad = torch.randn(offsets.numel() - 1, 256, n, generator=g).cuda()
+    start = main_grad.clone()
+    gg.wgrad(a, x, offsets, accumulate_into=main_grad, gather=gather)
+    assert torch.equal(main_grad, start + dw32)
+    with pytest.raises(ValueError, match="int32"):
+        gg.wgrad(a, x, offsets, gather=(peer_rank.long(), peer_token))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gg.wgrad(a, x[:, :40].contiguous(), offsets, gather=gather)

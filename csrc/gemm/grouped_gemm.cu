@@ -168,9 +168,12 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
   });
 }
 
+// gather_rank / gather_token (together, int32 [rows]): b holds the tokens [T, N] and row j
+// of B is token gather_token[j] (zeros where gather_rank[j] < 0), gathered by the producer.
 void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
                         const at::Tensor& out, bool accumulate, int64_t max_ctas,
-                        bool reverse_experts) {
+                        bool reverse_experts, const std::optional<at::Tensor>& gather_rank,
+                        const std::optional<at::Tensor>& gather_token) {
   check_bf16_cuda(a, "a", 2);
   check_bf16_cuda(b, "b", 2);
   // Planes (experts) may lie apart, each one dense [M, N]: a view of per-expert buffers.
@@ -183,7 +186,21 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
               "megatron_mok: out must be a CUDA [E, M, N] bf16 or fp32 tensor of dense [M, N] "
               "planes, 16-byte aligned apart");
   const int64_t R = a.size(0), M = a.size(1), N = b.size(1), E = out.size(0);
-  TORCH_CHECK(b.size(0) == R, "megatron_mok: a and b must have the same rows");
+  const bool gather = gather_rank.has_value();
+  TORCH_CHECK(gather == gather_token.has_value(),
+              "megatron_mok: gather_rank and gather_token go together");
+  TORCH_CHECK(gather || b.size(0) == R, "megatron_mok: a and b must have the same rows");
+  if (gather) {
+    for (const at::Tensor* t : {&*gather_rank, &*gather_token}) {
+      TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous() &&
+                      t->numel() == R && t->device() == a.device(),
+                  "megatron_mok: the gather table must be contiguous CUDA int32 [rows] on a's "
+                  "device");
+    }
+    TORCH_CHECK(b.size(0) > 0 && N % 64 == 0 && b.stride(0) % 8 == 0,
+                "megatron_mok: gathered wgrad rows need N a multiple of 64 (row boxes) and "
+                "16-byte aligned rows");
+  }
   TORCH_CHECK(out.size(1) == M && out.size(2) == N, "megatron_mok: out must be [E, M, N]");
   TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.numel() == E + 1 &&
                   offsets.is_contiguous(),
@@ -215,12 +232,28 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   p.num_tasks = int(E) * p.m_tiles * p.n_tiles;
   p.reverse_planes = reverse_experts;
   const OutView out_view{out.data_ptr(), M, N, E, N, E == 1 ? M * N : out.stride(0)};
+  const int64_t b_rows = b.size(0);  // R, or the tokens when gathering
   auto launch_as = [&](auto cfg, auto reduce) {
     launch<decltype(cfg), decltype(reduce)::value>(p, a, make_stride(_1{}, M), int(M), int(R),
-                                                   b, make_stride(_1{}, N, N * R), int(N),
-                                                   int(R), 1, out_view, out_view, max_ctas);
+                                                   b, make_stride(_1{}, N, N * b_rows), int(N),
+                                                   int(b_rows), 1, out_view, out_view, max_ctas);
   };
   auto run = [&](auto cfg) { launch_as(cfg, std::false_type{}); };
+  if (gather) {  // B's TMA map (over the tokens) goes unused: the producer gathers rows
+    make_context_current(a);  // before the row map's encode
+    p.gather_rank = gather_rank->data_ptr<int>();
+    p.gather_token = gather_token->data_ptr<int>();
+    p.gather_oob_row = int(b_rows);
+    p.b_row_map = row_box_map(b);
+    if (accumulate) {
+      launch_as(CfgWgradGather<float>{}, std::true_type{});
+    } else if (out.scalar_type() == at::kFloat) {
+      run(CfgWgradGather<float>{});
+    } else {
+      run(CfgWgradGather<__nv_bfloat16>{});
+    }
+    return;
+  }
   if (accumulate) {
     with_cluster<CfgWgradF32>([&](auto cfg) { launch_as(cfg, std::true_type{}); });
   } else if (out.scalar_type() == at::kFloat) {

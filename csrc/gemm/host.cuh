@@ -55,6 +55,28 @@ using CfgWgradBf16 =
     gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore, __nv_bfloat16, C>;
 template <int C>
 using CfgWgradF32 = gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore, float, C>;
+// The same with B's rows gathered by the producer from the tokens (EP = 1; clusters of 1).
+template <class OutT>
+using CfgWgradGather = gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore,
+                                        OutT, 1, 256, 4, false, 0, true>;
+
+// x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (one 128-byte row piece), 128B swizzle:
+// row gathers by TMA (the forward megakernel's direct mode, the gathered weight gradients).
+// A box on row T (out of bounds) is zero-filled.
+inline cute::TmaDescriptor row_box_map(const at::Tensor& x) {
+  cute::TmaDescriptor map{};
+  cuuint64_t dims[2] = {cuuint64_t(x.size(1)), cuuint64_t(x.size(0))};
+  cuuint64_t strides[1] = {cuuint64_t(x.stride(0) * 2)};
+  cuuint32_t box[2] = {64, 1};
+  cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x.data_ptr(), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for a row map (",
+              int(r), ")");
+  return map;
+}
 
 inline int num_sms(int device) {
   static int cached[64] = {0};

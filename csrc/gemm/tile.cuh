@@ -88,11 +88,19 @@ struct TileStorage {
 // when both rows belong to one expert, multicast the B tile (each CTA loads half of it for
 // both), cutting L2->SM traffic by a third. Experimental (MOK_GEMM_CLUSTER=2); default 1.
 template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kCluster_ = 1,
-          int kBN = 256, int kStages = 4, bool kGlu_ = false, int kAct_ = 0>
+          int kBN = 256, int kStages = 4, bool kGlu_ = false, int kAct_ = 0,
+          bool kGatherB_ = false>
 struct GemmConfig {
   static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages, kCluster = kCluster_;
   static constexpr bool kGlu = kGlu_;  // the general variants: GLU parameters, biases
   static constexpr int kAct = kAct_;   // kAct / kActBwd: the ActFn
+  // kGatherB (weight gradients at EP = 1): the producer warpgroup gathers B's token rows
+  // itself (gather_b_produce_tasks), one 1 x 64 TMA box per row piece, instead of one box
+  // over materialised rows.
+  static constexpr bool kGatherB = kGatherB_;
+  static_assert(!kGatherB || (!kBKMajor && kGroup == Grouping::kTokensAsK && kCluster_ == 1 &&
+                              kBN % 64 == 0),
+                "gathered B: an MN-major B of the weight gradients, clusters of one CTA");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr Grouping group = kGroup;
   static constexpr Epi epi = kEpi;
@@ -190,6 +198,13 @@ struct GemmParams {
   uint8_t* dh_q;
   float* dh_scale_t;
   int64_t dh_scale_ld;
+  // Cfg::kGatherB: B's row j (the row table's order) is row gather_token[j] of the tensor
+  // behind b_row_map (1 x 64 boxes, 128B swizzle), or its out-of-bounds row gather_oob_row
+  // (zero-filled) where gather_rank[j] < 0 (padding): x's rows without materialising them.
+  const int* gather_rank;
+  const int* gather_token;
+  int gather_oob_row;
+  cute::TmaDescriptor b_row_map;
 };
 
 // Cfg::kQuantDh where a config defines it (the FP8 configs), else false.
@@ -555,6 +570,65 @@ __device__ __forceinline__ void produce_tasks(Storage& smem, TaskQueue<Storage>&
     // The consumers read these in the task's epilogue: for C = 1 a task loaded here is a
     // task they store (kRows: K > 0, and store = !skip).
     if constexpr (kHRing) load_h_chunks<Cfg>(smem, tma_h_in, p, task, ring);
+  }
+}
+
+// Cfg::kGatherB, the whole producer warpgroup (ptid = its thread): thread 0 expects each
+// stage's bytes and loads A's box as load_task does; every thread then loads its share of
+// B's BK x BN tile as 1 x 64 row boxes (row kr of the K step, 64-column piece c) from
+// b_row_map into the piece's line of the stage and arrives (thread 0's arrival is its
+// expect). B's stage layout is the MN-major SW128 one tiled K first (GemmConfig): piece c
+// of K row kr at byte c * (64 * BK * 2) + (kr / 8) * 1024 + (kr % 8) * 128, and TMA applies
+// the swizzle from those address bits, so each line lands as a whole-tile box would put it
+// (the forward megakernel's kGatherTma, for an MN-major operand). Writes come through the
+// async proxy: no fence. Static striding only (every producer thread walks the same tasks).
+template <class Cfg, class Storage, class TmaA>
+__device__ __forceinline__ void gather_b_produce_tasks(Storage& smem, const GemmParams& p,
+                                                       int first, int stride, const TmaA& tma_a,
+                                                       const OperandShapes& shapes, int ptid) {
+  using namespace cute;
+  using FullBar = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBar = cutlass::arch::ClusterBarrier;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
+  constexpr int kPieces = BN / 64, kBoxes = BK * kPieces;  // row boxes per stage
+  static_assert(kBoxes % 128 == 0, "whole row boxes per producer thread");
+  Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg::SmemLayoutA{});
+  Tensor mA = tma_a.get_tma_tensor(make_shape(shapes.a_rows, shapes.a_cols));  // (M, K)
+  const uint32_t b_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem.b));
+  RingPos ring;
+  for (int t = first; t < p.num_tasks; t += stride) {
+    const Task task = decode_task<Cfg>(p, t, 0);
+    if (task.skip || task.k_begin >= task.k_end) continue;
+    Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
+    auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                      group_modes<0, 2>(gA));
+    for (int k = task.k_begin; k < task.k_end; ++k) {
+      EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
+      const uint32_t full =
+          static_cast<uint32_t>(__cvta_generic_to_shared(&smem.full[ring.stage]));
+      if (ptid == 0) {
+        FullBar::arrive_and_expect_tx(&smem.full[ring.stage], Cfg::kTxBytes);
+        copy(tma_a.with(smem.full[ring.stage]), tAgA(_, k), tAsA(_, ring.stage));
+      }
+      CUTE_UNROLL
+      for (int box = ptid; box < kBoxes; box += 128) {
+        const int kr = box % BK, piece = box / BK;
+        const int64_t j = int64_t(k) * BK + kr;  // the row table's row
+        const int row = __ldg(p.gather_rank + j) >= 0 ? __ldg(p.gather_token + j)
+                                                      : p.gather_oob_row;
+        const uint32_t dst = b_base + uint32_t(ring.stage * (BN * BK * 2) +
+                                               piece * (64 * BK * 2) + (kr / 8) * 1024 +
+                                               (kr % 8) * 128);
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3}], [%4];"
+            ::"r"(dst), "l"(&p.b_row_map), "r"(task.n_tile * BN + piece * 64), "r"(row),
+              "r"(full)
+            : "memory");
+      }
+      if (ptid != 0) EmptyBar::arrive(&smem.full[ring.stage]);
+      ring.advance<Cfg::Stages>();
+    }
   }
 }
 

@@ -37,21 +37,8 @@ int gather_mode() {
 // megakernel v10-v11).
 int mover_warps() { return knobs::current().mover_warps; }
 
-// x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (one 128-byte row piece), 128B swizzle.
-cute::TmaDescriptor row_map(const at::Tensor& x) {
-  cute::TmaDescriptor map{};
-  cuuint64_t dims[2] = {cuuint64_t(x.size(1)), cuuint64_t(x.size(0))};
-  cuuint64_t strides[1] = {cuuint64_t(x.stride(0) * 2)};
-  cuuint32_t box[2] = {64, 1};
-  cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x.data_ptr(), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "megatron_mok: cuTensorMapEncodeTiled failed for x (", int(r),
-              ")");
-  return map;
-}
+// x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (gemm_host::row_box_map).
+cute::TmaDescriptor row_map(const at::Tensor& x) { return row_box_map(x); }
 
 void moe_forward(const at::Tensor& peer_base, int64_t x_offset,
                  const std::optional<at::Tensor>& x_local, int64_t slots_offset,

@@ -199,6 +199,17 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
     return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:])
 
 
+def wgrad_gathers_x(core: str, fused: bool, saved: KernelSaved) -> bool:
+    """MOK_WGRAD_GATHER=1 at EP = 1 (x kept, its rows never made): dW1's launch gathers x's
+    rows in its producer instead of reading materialised x rows (the same bits). Not with
+    the backward megakernel's fused weight gradients, which read the rows."""
+    if knobs.get("MOK_WGRAD_GATHER") != "1" or core != "mok":
+        return False
+    if saved.x is None or saved.x_rows is not None or saved.x.shape[1] % 64:
+        return False
+    return not fused or backward_wgrad_path() == "launches"
+
+
 def fp8_reads_dy_in_place(ws: MoKWorkspace, saved: KernelSaved) -> bool:
     """The FP8 chain at EP = 1 gathers dy's rows from dy itself (nothing is published)."""
     return saved.fp8 is not None and ws.ep_size == 1
@@ -233,7 +244,9 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
     arena.barrier()
     zero_dropped_routes(ws, sched)
-    if saved.x_rows is None:  # the direct megakernel or the FP8 chain gathered x on the fly
+    gather_x = wgrad_gathers_x(core, fused, saved)
+    if saved.x_rows is None and not gather_x:
+        # the direct megakernel or the FP8 chain gathered x on the fly: dW1 needs its rows
         saved.x_rows = gather_rows(saved.x, sched)
     wgrad = fused_wgrad_targets(saved, acc1, acc2) if fused else None
     grads = data_gradients(ws, sched, saved, dy, fused, plan.minibatch_rows, wgrad)
@@ -247,7 +260,9 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
                       sched, topk, scalars=dots, scalar_offset=arena.offset("d_topk_w"))
     if wgrad is None:
         dw2 = weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, acc2)
-        dw1 = weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, acc1)
+        dw1 = (weight_grad(core, grads.d_h, saved.x.contiguous(), sched, saved.w1, acc1,
+                           gather_b=True)
+               if gather_x else weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, acc1))
     elif wgrad.accumulate:  # phase 2 added them into the main_grads
         dw2, dw1 = acc2.finish(saved.w2), acc1.finish(saved.w1)
     else:

@@ -295,25 +295,38 @@ def dgrad_act_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Tenso
 def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
           out_dtype: Optional[torch.dtype] = None,
           accumulate_into: Optional[torch.Tensor] = None, reverse_experts: bool = False,
-          max_ctas: int = 0) -> torch.Tensor:
+          max_ctas: int = 0, gather: Optional[tuple] = None) -> torch.Tensor:
     """out [E, M, N], out[e] = a[rows of e]^T @ b[rows of e] (tokens as K, row-table order;
     an expert without rows gets zeros). With `accumulate_into` (fp32 [E, M, N], e.g. a view
     of Megatron's main_grads: dense 16-byte aligned [M, N] planes, which may lie apart) the
     gradient is added into it instead (TMA reduce-add stores: one add per element,
     deterministic) and that tensor is returned; with `reverse_experts` expert e's gradient
     goes into plane E - 1 - e. out_dtype: bfloat16 (default) or float32; with
-    accumulate_into only float32."""
+    accumulate_into only float32. gather = (peer_rank, peer_token), int32 [rows] (EP = 1):
+    b is the tokens [T, N] (N a multiple of 64) and b's row j is token peer_token[j] (zeros
+    where peer_rank[j] < 0), gathered by the kernel's producer: the bits of passing the
+    gathered rows, without writing them."""
     if accumulate_into is not None and out_dtype not in (None, torch.float32):
         raise TypeError(f"megatron_mok: wgrad accumulates in float32, got out_dtype={out_dtype}")
     out_dtype = out_dtype or torch.bfloat16
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"megatron_mok: wgrad out_dtype must be bfloat16 or float32, "
                         f"got {out_dtype}")
-    if a.shape[0] != b.shape[0]:
+    if gather is None and a.shape[0] != b.shape[0]:
         raise ValueError(f"megatron_mok: a and b must have the same rows, got {a.shape[0]} "
                          f"and {b.shape[0]}")
     _check("a", a, 2)
     _check("b", b, 2)
+    gather_rank = gather_token = None
+    if gather is not None:
+        gather_rank, gather_token = gather
+        for name, t in (("peer_rank", gather_rank), ("peer_token", gather_token)):
+            if t.dtype != torch.int32 or tuple(t.shape) != (a.shape[0],) or not t.is_contiguous():
+                raise ValueError(f"megatron_mok: the wgrad gather's {name} must be contiguous "
+                                 f"int32 [{a.shape[0]}], got {t.dtype} {tuple(t.shape)}")
+        if b.shape[1] % 64 or b.shape[0] == 0:
+            raise ValueError(f"megatron_mok: gathered wgrad rows need N a multiple of 64 and "
+                             f"at least one token, got b {tuple(b.shape)}")
     num_experts = expert_offsets.numel() - 1
     _check_table(a.shape[0], expert_offsets, num_experts, None)
     check_multiple_of_8(m=a.shape[1], n=b.shape[1])
@@ -330,13 +343,17 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
                              "16-byte aligned and apart (TMA stores); add a separately "
                              "computed gradient instead")
     _check_cuda(a=a, b=b, expert_offsets=expert_offsets)
+    if gather is not None:
+        _check_cuda(a=a, peer_rank=gather_rank, peer_token=gather_token)
     _check_cuda(a=a, accumulate_into=accumulate_into, contiguous=False)
     if accumulate_into is not None:
         torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, accumulate_into, True,
-                                             max_ctas, reverse_experts)
+                                             max_ctas, reverse_experts, gather_rank,
+                                             gather_token)
         return accumulate_into
     out = a.new_empty(*shape, dtype=out_dtype)
-    torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, False, max_ctas)
+    torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, False, max_ctas, False,
+                                         gather_rank, gather_token)
     return out
 
 

@@ -187,22 +187,26 @@ def bias_grads(saved: KernelSaved, grads: "megakernel.DataGradients", sched: MoK
 
 
 def weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule,
-                 weight: torch.Tensor, acc) -> torch.Tensor:
+                 weight: torch.Tensor, acc, gather_b: bool = False) -> torch.Tensor:
     """dw[e] = a[rows of e]^T @ b[rows of e]: tokens are K, in row-table order; one GEMM
     owns each output tile. With an accumulator (grad_accumulation) the fp32 gradient goes
-    into its buffers, in the wgrad's epilogue where they lie equally spaced."""
+    into its buffers, in the wgrad's epilogue where they lie equally spaced. gather_b (the
+    core only, EP = 1): b is the tokens and the kernel gathers the row table's rows."""
     offsets = sched.expert_offsets
+    gather = (sched.peer_rank, sched.peer_token) if gather_b else None
     if core != "mok":
+        if gather_b:
+            raise ValueError("megatron_mok: the gathered weight gradient runs on the mok core")
         dw = torch._grouped_mm(a.t(), b, offs=offsets[1:])
     elif acc is None:
-        return grouped_gemm.wgrad(a, b, offsets)
+        return grouped_gemm.wgrad(a, b, offsets, gather=gather)
     elif acc.fused_runs is not None:  # one launch per run of equally spaced buffers
         for first, count, planes, reverse in acc.fused_runs:
             grouped_gemm.wgrad(a, b, offsets[first:first + count + 1], accumulate_into=planes,
-                               reverse_experts=reverse)
+                               reverse_experts=reverse, gather=gather)
         return acc.finish(weight)
     else:
-        dw = grouped_gemm.wgrad(a, b, offsets, out_dtype=torch.float32)
+        dw = grouped_gemm.wgrad(a, b, offsets, out_dtype=torch.float32, gather=gather)
     if acc is None:
         return dw
     acc.add_(dw)
