@@ -138,11 +138,12 @@ TORCH_LIBRARY(megatron_mok, m) {
   // main_grad; one owner per tile, so one add per element: deterministic). out's planes
   // may lie apart (stride(0) >= M * N); reverse_experts: expert e's gradient is plane
   // E - 1 - e (the experts' main_grads lie backwards in Megatron's grad buffer).
-  // gather_rank / gather_token [rows] int32: b is the tokens [T, N] and B's row j is token
-  // gather_token[j] (zeros where gather_rank[j] < 0), gathered by the kernel (EP = 1).
+  // gather_rank / gather_token [rows] int32 with gather_operands (bits: 1 = a, 2 = b): that
+  // operand is the tokens [T, M or N] and its row j is token gather_token[j] (zeros where
+  // gather_rank[j] < 0), gathered by the kernel (EP = 1).
   m.def("grouped_wgrad(Tensor a, Tensor b, Tensor expert_offsets, Tensor(a!) out, "
         "bool accumulate, int max_ctas, bool reverse_experts=False, Tensor? gather_rank=None, "
-        "Tensor? gather_token=None) -> ()");
+        "Tensor? gather_token=None, int gather_operands=2) -> ()");
   // The forward megakernel (csrc/megakernel/): pull -> fc1 + SwiGLU -> fc2 -> push in one
   // persistent launch. x_local: EP = 1, pull from this x instead of the peers' buffers.
   // direct (EP = 1, num_comm = 0): fc1 gathers its rows from x_local, fc2 scatters into the

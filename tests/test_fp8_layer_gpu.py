@@ -76,6 +76,23 @@ def test_fp8_kernel_pass_is_bitwise_deterministic():
         assert torch.equal(g0[name], g1[name]), name
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fp8_kernel_pass_with_gathering_weight_gradients_gives_the_same_bits(shape):
+    """MOK_WGRAD_GATHER=1: dW1 gathers x's rows and dW2 dy's rows in their producers (no
+    bf16 x or dy rows made); every output is the default path's bits."""
+    inputs = _inputs(shape, seed=6)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    y0, g0 = _run(inputs, FP8_KERNEL, dy)
+    knobs.set_env("MOK_WGRAD_GATHER", "1")
+    try:
+        y1, g1 = _run(inputs, FP8_KERNEL, dy)
+    finally:
+        knobs.set_env("MOK_WGRAD_GATHER", None)
+    assert torch.equal(y0, y1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
 def test_fp8_kernel_pass_has_no_host_sync():
     inputs = _inputs("qwen3-30b-a3b", seed=5)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()

@@ -473,6 +473,12 @@ def test_wgrad_gathering_its_rows_gives_the_bits_of_gathered_rows(n):
     start = main_grad.clone()
     gg.wgrad(a, x, offsets, accumulate_into=main_grad, gather=gather)
     assert torch.equal(main_grad, start + dw32)
+    # dW2's form: a (dy) gathered, b given as rows; and both gathered.
+    b = _rows(capacity, 256, real, seed=43)
+    assert torch.equal(gg.wgrad(x, b, offsets, gather=gather, gathered="a"),
+                       gg.wgrad(rows, b, offsets))
+    assert torch.equal(gg.wgrad(x, x, offsets, gather=gather, gathered="ab"),
+                       gg.wgrad(rows, rows, offsets))
     with pytest.raises(ValueError, match="int32"):
         gg.wgrad(a, x, offsets, gather=(peer_rank.long(), peer_token))
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -168,12 +168,13 @@ void grouped_dgrad_swiglu_cuda(const at::Tensor& dy_rows, const at::Tensor& w2,
   });
 }
 
-// gather_rank / gather_token (together, int32 [rows]): b holds the tokens [T, N] and row j
-// of B is token gather_token[j] (zeros where gather_rank[j] < 0), gathered by the producer.
+// gather_rank / gather_token (together, int32 [rows]) with gather_operands (bits: 1 = a,
+// 2 = b): that operand holds the tokens [T, M or N] and its row j is token gather_token[j]
+// (zeros where gather_rank[j] < 0), gathered by the producer.
 void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
                         const at::Tensor& out, bool accumulate, int64_t max_ctas,
                         bool reverse_experts, const std::optional<at::Tensor>& gather_rank,
-                        const std::optional<at::Tensor>& gather_token) {
+                        const std::optional<at::Tensor>& gather_token, int64_t gather_operands) {
   check_bf16_cuda(a, "a", 2);
   check_bf16_cuda(b, "b", 2);
   // Planes (experts) may lie apart, each one dense [M, N]: a view of per-expert buffers.
@@ -185,11 +186,18 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
                                         out.stride(0) * elem % 16 == 0)),
               "megatron_mok: out must be a CUDA [E, M, N] bf16 or fp32 tensor of dense [M, N] "
               "planes, 16-byte aligned apart");
-  const int64_t R = a.size(0), M = a.size(1), N = b.size(1), E = out.size(0);
   const bool gather = gather_rank.has_value();
   TORCH_CHECK(gather == gather_token.has_value(),
               "megatron_mok: gather_rank and gather_token go together");
-  TORCH_CHECK(gather || b.size(0) == R, "megatron_mok: a and b must have the same rows");
+  TORCH_CHECK(!gather || (gather_operands >= 1 && gather_operands <= 3),
+              "megatron_mok: gather_operands must be 1 (a), 2 (b) or 3 (both)");
+  const bool gather_a = gather && (gather_operands & 1), gather_b = gather && (gather_operands & 2);
+  const int64_t R = gather ? gather_rank->numel() : a.size(0);  // the row table's rows
+  const int64_t M = a.size(1), N = b.size(1), E = out.size(0);
+  TORCH_CHECK(gather_a || a.size(0) == R, "megatron_mok: a must have the row table's rows");
+  TORCH_CHECK(gather_b || b.size(0) == R, "megatron_mok: a and b must have the same rows");
+  TORCH_CHECK(!(gather_a && gather_b) || a.size(0) == b.size(0),
+              "megatron_mok: gathered a and b must hold the same tokens");
   if (gather) {
     for (const at::Tensor* t : {&*gather_rank, &*gather_token}) {
       TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous() &&
@@ -197,9 +205,12 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
                   "megatron_mok: the gather table must be contiguous CUDA int32 [rows] on a's "
                   "device");
     }
-    TORCH_CHECK(b.size(0) > 0 && N % 64 == 0 && b.stride(0) % 8 == 0,
-                "megatron_mok: gathered wgrad rows need N a multiple of 64 (row boxes) and "
-                "16-byte aligned rows");
+    TORCH_CHECK(!gather_a || (a.size(0) > 0 && M % 64 == 0),
+                "megatron_mok: a gathered operand needs its columns a multiple of 64 (row "
+                "boxes) and at least one token");
+    TORCH_CHECK(!gather_b || (b.size(0) > 0 && N % 64 == 0),
+                "megatron_mok: a gathered operand needs its columns a multiple of 64 (row "
+                "boxes) and at least one token");
   }
   TORCH_CHECK(out.size(1) == M && out.size(2) == N, "megatron_mok: out must be [E, M, N]");
   TORCH_CHECK(offsets.is_cuda() && offsets.scalar_type() == at::kInt && offsets.numel() == E + 1 &&
@@ -232,25 +243,37 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   p.num_tasks = int(E) * p.m_tiles * p.n_tiles;
   p.reverse_planes = reverse_experts;
   const OutView out_view{out.data_ptr(), M, N, E, N, E == 1 ? M * N : out.stride(0)};
-  const int64_t b_rows = b.size(0);  // R, or the tokens when gathering
+  const int64_t a_rows = a.size(0), b_rows = b.size(0);  // R, or the tokens when gathered
   auto launch_as = [&](auto cfg, auto reduce) {
-    launch<decltype(cfg), decltype(reduce)::value>(p, a, make_stride(_1{}, M), int(M), int(R),
-                                                   b, make_stride(_1{}, N, N * b_rows), int(N),
+    launch<decltype(cfg), decltype(reduce)::value>(p, a, make_stride(_1{}, M), int(M),
+                                                   int(a_rows), b,
+                                                   make_stride(_1{}, N, N * b_rows), int(N),
                                                    int(b_rows), 1, out_view, out_view, max_ctas);
   };
   auto run = [&](auto cfg) { launch_as(cfg, std::false_type{}); };
-  if (gather) {  // B's TMA map (over the tokens) goes unused: the producer gathers rows
-    make_context_current(a);  // before the row map's encode
+  if (gather) {  // a gathered operand's TMA map (over the tokens) goes unused
+    make_context_current(a);  // before the row maps' encode
     p.gather_rank = gather_rank->data_ptr<int>();
     p.gather_token = gather_token->data_ptr<int>();
-    p.gather_oob_row = int(b_rows);
-    p.b_row_map = row_box_map(b);
-    if (accumulate) {
-      launch_as(CfgWgradGather<float>{}, std::true_type{});
-    } else if (out.scalar_type() == at::kFloat) {
-      run(CfgWgradGather<float>{});
+    p.gather_oob_row = int(gather_a ? a_rows : b_rows);
+    if (gather_a) p.a_row_map = row_box_map(a);
+    if (gather_b) p.b_row_map = row_box_map(b);
+    auto by_output = [&](auto kind) {
+      constexpr int kG = decltype(kind)::value;
+      if (accumulate) {
+        launch_as(CfgWgradGather<float, kG>{}, std::true_type{});
+      } else if (out.scalar_type() == at::kFloat) {
+        run(CfgWgradGather<float, kG>{});
+      } else {
+        run(CfgWgradGather<__nv_bfloat16, kG>{});
+      }
+    };
+    if (gather_a && gather_b) {
+      by_output(std::integral_constant<int, gemm::kGatherA | gemm::kGatherB>{});
+    } else if (gather_a) {
+      by_output(std::integral_constant<int, gemm::kGatherA>{});
     } else {
-      run(CfgWgradGather<__nv_bfloat16>{});
+      by_output(std::integral_constant<int, gemm::kGatherB>{});
     }
     return;
   }

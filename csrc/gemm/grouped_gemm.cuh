@@ -41,9 +41,10 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     prefetch_tma_descriptor(tma_o.get_tma_descriptor());
     prefetch_tma_descriptor(tma_h.get_tma_descriptor());
     if constexpr (kHRing) prefetch_tma_descriptor(tma_h_in.get_tma_descriptor());
-    if constexpr (Cfg::kGatherB) prefetch_tma_descriptor(&p.b_row_map);
-    // kGatherB: every producer thread arrives on a stage's full barrier (its row boxes).
-    init_tile_barriers<Cfg>(smem, Cfg::kGatherB ? 128 : 1);
+    if constexpr (Cfg::kGather & kGatherA) prefetch_tma_descriptor(&p.a_row_map);
+    if constexpr (Cfg::kGather & kGatherB) prefetch_tma_descriptor(&p.b_row_map);
+    // kGather: every producer thread arrives on a stage's full barrier (its row boxes).
+    init_tile_barriers<Cfg>(smem, Cfg::kGather ? 128 : 1);
   }
   if constexpr (C == 1) {
     __syncthreads();
@@ -52,14 +53,15 @@ grouped_gemm_kernel(const __grid_constant__ GemmParams p, const __grid_constant_
     cute::cluster_wait();
   }
 
-  const bool counter = C == 1 && p.task_counter != nullptr && !Cfg::kGatherB;
+  const bool counter = C == 1 && p.task_counter != nullptr && !Cfg::kGather;
   TaskQueue<Storage> queue{smem};
 
   if (warpgroup == 0) {
     // ---------------- producer: one thread feeds the ring ----------------
     cutlass::arch::warpgroup_reg_dealloc<56>();
-    if constexpr (Cfg::kGatherB) {  // the whole warpgroup gathers B's rows
-      gather_b_produce_tasks<Cfg>(smem, p, cluster, num_clusters, tma_a, shapes, threadIdx.x);
+    if constexpr (Cfg::kGather) {  // the whole warpgroup gathers rows
+      gather_produce_tasks<Cfg>(smem, p, cluster, num_clusters, tma_a, tma_b, shapes,
+                                threadIdx.x);
     } else if (threadIdx.x == 0) {
       produce_tasks<Cfg, kHRing>(smem, queue, p, counter, cluster, num_clusters, rank, tma_a,
                                  tma_b, tma_b_mc, tma_h_in, shapes);

@@ -55,10 +55,11 @@ using CfgWgradBf16 =
     gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore, __nv_bfloat16, C>;
 template <int C>
 using CfgWgradF32 = gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore, float, C>;
-// The same with B's rows gathered by the producer from the tokens (EP = 1; clusters of 1).
-template <class OutT>
+// The same with operand rows gathered by the producer from the tokens (EP = 1; clusters of
+// 1); kGather: gemm::kGatherA | gemm::kGatherB bits.
+template <class OutT, int kGather>
 using CfgWgradGather = gemm::GemmConfig<false, false, gemm::Grouping::kTokensAsK, gemm::Epi::kStore,
-                                        OutT, 1, 256, 4, false, 0, true>;
+                                        OutT, 1, 256, 4, false, 0, kGather>;
 
 // x [T, H] bf16 as a TMA tensor map of 1 x 64 boxes (one 128-byte row piece), 128B swizzle:
 // row gathers by TMA (the forward megakernel's direct mode, the gathered weight gradients).

@@ -58,6 +58,9 @@ using namespace cute;
 using bf16 = cute::bfloat16_t;
 
 enum class Grouping { kRows, kTokensAsK };
+
+// GemmConfig::kGather bits: which weight-gradient operands the producer gathers.
+constexpr int kGatherA = 1, kGatherB = 2;
 enum class Epi { kStore, kSwiGLU, kSwiGLUBwd, kAct, kActBwd };
 
 // The non-gated activations of kAct / kActBwd; the numbers are the ops' act_fn argument
@@ -89,18 +92,18 @@ struct TileStorage {
 // both), cutting L2->SM traffic by a third. Experimental (MOK_GEMM_CLUSTER=2); default 1.
 template <bool kAKMajor, bool kBKMajor, Grouping kGroup, Epi kEpi, class OutT, int kCluster_ = 1,
           int kBN = 256, int kStages = 4, bool kGlu_ = false, int kAct_ = 0,
-          bool kGatherB_ = false>
+          int kGather_ = 0>
 struct GemmConfig {
   static constexpr int BM = 128, BN = kBN, BK = 64, Stages = kStages, kCluster = kCluster_;
   static constexpr bool kGlu = kGlu_;  // the general variants: GLU parameters, biases
   static constexpr int kAct = kAct_;   // kAct / kActBwd: the ActFn
-  // kGatherB (weight gradients at EP = 1): the producer warpgroup gathers B's token rows
-  // itself (gather_b_produce_tasks), one 1 x 64 TMA box per row piece, instead of one box
-  // over materialised rows.
-  static constexpr bool kGatherB = kGatherB_;
-  static_assert(!kGatherB || (!kBKMajor && kGroup == Grouping::kTokensAsK && kCluster_ == 1 &&
-                              kBN % 64 == 0),
-                "gathered B: an MN-major B of the weight gradients, clusters of one CTA");
+  // kGather (weight gradients at EP = 1), bits kGatherA / kGatherB: the producer warpgroup
+  // gathers that operand's token rows itself (gather_produce_tasks), one 1 x 64 TMA box per
+  // row piece, instead of one box over materialised rows.
+  static constexpr int kGather = kGather_;
+  static_assert(kGather == 0 || (!kAKMajor && !kBKMajor && kGroup == Grouping::kTokensAsK &&
+                                 kCluster_ == 1 && kBN % 64 == 0),
+                "gathered rows: the MN-major operands of the weight gradients, clusters of one CTA");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr Grouping group = kGroup;
   static constexpr Epi epi = kEpi;
@@ -198,12 +201,14 @@ struct GemmParams {
   uint8_t* dh_q;
   float* dh_scale_t;
   int64_t dh_scale_ld;
-  // Cfg::kGatherB: B's row j (the row table's order) is row gather_token[j] of the tensor
-  // behind b_row_map (1 x 64 boxes, 128B swizzle), or its out-of-bounds row gather_oob_row
-  // (zero-filled) where gather_rank[j] < 0 (padding): x's rows without materialising them.
+  // Cfg::kGather: a gathered operand's row j (the row table's order) is row gather_token[j]
+  // of the tensor behind its row map (a_row_map, b_row_map: 1 x 64 boxes, 128B swizzle), or
+  // the out-of-bounds row gather_oob_row (zero-filled) where gather_rank[j] < 0 (padding):
+  // x's or dy's rows without materialising them.
   const int* gather_rank;
   const int* gather_token;
   int gather_oob_row;
+  cute::TmaDescriptor a_row_map;
   cute::TmaDescriptor b_row_map;
 };
 
@@ -573,58 +578,81 @@ __device__ __forceinline__ void produce_tasks(Storage& smem, TaskQueue<Storage>&
   }
 }
 
-// Cfg::kGatherB, the whole producer warpgroup (ptid = its thread): thread 0 expects each
-// stage's bytes and loads A's box as load_task does; every thread then loads its share of
-// B's BK x BN tile as 1 x 64 row boxes (row kr of the K step, 64-column piece c) from
-// b_row_map into the piece's line of the stage and arrives (thread 0's arrival is its
-// expect). B's stage layout is the MN-major SW128 one tiled K first (GemmConfig): piece c
-// of K row kr at byte c * (64 * BK * 2) + (kr / 8) * 1024 + (kr % 8) * 128, and TMA applies
-// the swizzle from those address bits, so each line lands as a whole-tile box would put it
-// (the forward megakernel's kGatherTma, for an MN-major operand). Writes come through the
-// async proxy: no fence. Static striding only (every producer thread walks the same tasks).
-template <class Cfg, class Storage, class TmaA>
-__device__ __forceinline__ void gather_b_produce_tasks(Storage& smem, const GemmParams& p,
-                                                       int first, int stride, const TmaA& tma_a,
-                                                       const OperandShapes& shapes, int ptid) {
+// One K step of a gathered operand (Cfg::kGather): its kRowsMN x BK tile as 1 x 64 row boxes
+// (row kr of the K step, 64-column piece c) from row_map into the piece's line of the stage,
+// 128 threads sharing the boxes. The MN-major SW128 stage layouts tile K first (GemmConfig):
+// piece c of K row kr at byte c * (64 * BK * 2) + (kr / 8) * 1024 + (kr % 8) * 128, and TMA
+// applies the swizzle from those address bits, so each line lands as a whole-tile box would
+// put it (the forward megakernel's kGatherTma, for an MN-major operand).
+template <class Cfg, int kRowsMN>
+__device__ __forceinline__ void gather_rows_k_step(const GemmParams& p, const void* row_map,
+                                                   uint32_t stage_base, int col0, int k,
+                                                   uint32_t full, int ptid) {
+  constexpr int BK = Cfg::BK, kBoxes = BK * (kRowsMN / 64);
+  static_assert(kRowsMN % 64 == 0 && kBoxes % 128 == 0, "whole row boxes per producer thread");
+  CUTE_UNROLL
+  for (int box = ptid; box < kBoxes; box += 128) {
+    const int kr = box % BK, piece = box / BK;
+    const int64_t j = int64_t(k) * BK + kr;  // the row table's row
+    const int row = __ldg(p.gather_rank + j) >= 0 ? __ldg(p.gather_token + j) : p.gather_oob_row;
+    const uint32_t dst = stage_base + uint32_t(piece * (64 * BK * 2) + (kr / 8) * 1024 +
+                                               (kr % 8) * 128);
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(row_map), "r"(col0 + piece * 64), "r"(row), "r"(full)
+        : "memory");
+  }
+}
+
+// Cfg::kGather, the whole producer warpgroup (ptid = its thread): per K step thread 0
+// expects the stage's bytes and loads the operands that are not gathered as load_task does;
+// every thread then loads its share of the gathered operands' row boxes
+// (gather_rows_k_step) and arrives (thread 0's arrival is its expect). Writes come through
+// the async proxy: no fence. Static striding only (every producer thread walks the same
+// tasks).
+template <class Cfg, class Storage, class TmaA, class TmaB>
+__device__ __forceinline__ void gather_produce_tasks(Storage& smem, const GemmParams& p,
+                                                     int first, int stride, const TmaA& tma_a,
+                                                     const TmaB& tma_b,
+                                                     const OperandShapes& shapes, int ptid) {
   using namespace cute;
   using FullBar = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBar = cutlass::arch::ClusterBarrier;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
-  constexpr int kPieces = BN / 64, kBoxes = BK * kPieces;  // row boxes per stage
-  static_assert(kBoxes % 128 == 0, "whole row boxes per producer thread");
+  constexpr bool kA = Cfg::kGather & kGatherA, kB = Cfg::kGather & kGatherB;
   Tensor sA = make_tensor(make_smem_ptr(smem.a), typename Cfg::SmemLayoutA{});
-  Tensor mA = tma_a.get_tma_tensor(make_shape(shapes.a_rows, shapes.a_cols));  // (M, K)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b), typename Cfg::SmemLayoutBBox{});
+  Tensor mA = tma_a.get_tma_tensor(make_shape(shapes.a_rows, shapes.a_cols));   // (M, K)
+  Tensor mB = tma_b.get_tma_tensor(make_shape(shapes.b_n, shapes.b_k, shapes.b_q));  // (N, K, 1)
+  const uint32_t a_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem.a));
   const uint32_t b_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem.b));
   RingPos ring;
   for (int t = first; t < p.num_tasks; t += stride) {
     const Task task = decode_task<Cfg>(p, t, 0);
     if (task.skip || task.k_begin >= task.k_end) continue;
     Tensor gA = local_tile(mA, Shape<Int<BM>, Int<BK>>{}, make_coord(task.m_tile, _));
+    Tensor gB = local_tile(mB(_, _, 0), Shape<Int<BN>, Int<BK>>{}, make_coord(task.n_tile, _));
     auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
                                       group_modes<0, 2>(gA));
+    auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                      group_modes<0, 2>(gB));
     for (int k = task.k_begin; k < task.k_end; ++k) {
       EmptyBar::wait(&smem.empty[ring.stage], ring.phase ^ 1);
       const uint32_t full =
           static_cast<uint32_t>(__cvta_generic_to_shared(&smem.full[ring.stage]));
       if (ptid == 0) {
         FullBar::arrive_and_expect_tx(&smem.full[ring.stage], Cfg::kTxBytes);
-        copy(tma_a.with(smem.full[ring.stage]), tAgA(_, k), tAsA(_, ring.stage));
+        if constexpr (!kA) copy(tma_a.with(smem.full[ring.stage]), tAgA(_, k), tAsA(_, ring.stage));
+        if constexpr (!kB) copy(tma_b.with(smem.full[ring.stage]), tBgB(_, k), tBsB(_, ring.stage));
       }
-      CUTE_UNROLL
-      for (int box = ptid; box < kBoxes; box += 128) {
-        const int kr = box % BK, piece = box / BK;
-        const int64_t j = int64_t(k) * BK + kr;  // the row table's row
-        const int row = __ldg(p.gather_rank + j) >= 0 ? __ldg(p.gather_token + j)
-                                                      : p.gather_oob_row;
-        const uint32_t dst = b_base + uint32_t(ring.stage * (BN * BK * 2) +
-                                               piece * (64 * BK * 2) + (kr / 8) * 1024 +
-                                               (kr % 8) * 128);
-        asm volatile(
-            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-            " [%0], [%1, {%2, %3}], [%4];"
-            ::"r"(dst), "l"(&p.b_row_map), "r"(task.n_tile * BN + piece * 64), "r"(row),
-              "r"(full)
-            : "memory");
+      if constexpr (kA) {
+        gather_rows_k_step<Cfg, BM>(p, &p.a_row_map, a_base + uint32_t(ring.stage * (BM * BK * 2)),
+                                    task.m_tile * BM, k, full, ptid);
+      }
+      if constexpr (kB) {
+        gather_rows_k_step<Cfg, BN>(p, &p.b_row_map, b_base + uint32_t(ring.stage * (BN * BK * 2)),
+                                    task.n_tile * BN, k, full, ptid);
       }
       if (ptid != 0) EmptyBar::arrive(&smem.full[ring.stage]);
       ring.advance<Cfg::Stages>();

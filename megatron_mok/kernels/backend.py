@@ -186,9 +186,11 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
     if fp8_reads_dy_in_place(ws, saved):
         # One pass: dy's rows gathered, quantised (the FP8 dgrad's A) and kept in bf16 (the
         # weight gradients' rows), with their router weights: the bits of the pull below
-        # and of quantising the pulled rows.
+        # and of quantising the pulled rows. MOK_WGRAD_GATHER=1: no bf16 rows (None), dW2's
+        # launch gathers them from dy.
+        keep_rows = not wgrad_gathers_dy(ws, saved, dy)
         dy_fp8, dy_rows, row_w = fp8_gemm.gather_quantize_rows(
-            dy.contiguous(), sched, topk_w=saved.topk_w.contiguous(), keep_rows=True)
+            dy.contiguous(), sched, topk_w=saved.topk_w.contiguous(), keep_rows=keep_rows)
         return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w,
                               sched.expert_offsets[1:], dy_fp8)
     arena = ws.arena
@@ -208,6 +210,14 @@ def wgrad_gathers_x(core: str, fused: bool, saved: KernelSaved) -> bool:
     if saved.x is None or saved.x_rows is not None or saved.x.shape[1] % 64:
         return False
     return not fused or backward_wgrad_path() == "launches"
+
+
+def wgrad_gathers_dy(ws: MoKWorkspace, saved: KernelSaved, dy: torch.Tensor) -> bool:
+    """MOK_WGRAD_GATHER=1 on the FP8 chain at EP = 1: dW2's launch gathers dy's rows from dy
+    (the one-pass gather then writes no bf16 rows). The BF16 paths keep the rows their
+    pulls or the backward megakernel write."""
+    return (knobs.get("MOK_WGRAD_GATHER") == "1" and gemm_core() == "mok"
+            and fp8_reads_dy_in_place(ws, saved) and dy.shape[1] % 64 == 0)
 
 
 def fp8_reads_dy_in_place(ws: MoKWorkspace, saved: KernelSaved) -> bool:
@@ -259,9 +269,12 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         ops.push_rows(None if fused else grads.dx_rows, arena.peer_base, arena.offset("slots"),
                       sched, topk, scalars=dots, scalar_offset=arena.offset("d_topk_w"))
     if wgrad is None:
-        dw2 = weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, acc2)
+        dw2 = (weight_grad(core, dy.contiguous(), grads.act_scaled, sched, saved.w2, acc2,
+                           gathered="a")
+               if grads.dy_rows is None else
+               weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, acc2))
         dw1 = (weight_grad(core, grads.d_h, saved.x.contiguous(), sched, saved.w1, acc1,
-                           gather_b=True)
+                           gathered="b")
                if gather_x else weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, acc1))
     elif wgrad.accumulate:  # phase 2 added them into the main_grads
         dw2, dw1 = acc2.finish(saved.w2), acc1.finish(saved.w1)

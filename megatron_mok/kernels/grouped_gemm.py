@@ -295,7 +295,8 @@ def dgrad_act_routed(dy_rows: torch.Tensor, row_w: torch.Tensor, w2: torch.Tenso
 def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
           out_dtype: Optional[torch.dtype] = None,
           accumulate_into: Optional[torch.Tensor] = None, reverse_experts: bool = False,
-          max_ctas: int = 0, gather: Optional[tuple] = None) -> torch.Tensor:
+          max_ctas: int = 0, gather: Optional[tuple] = None,
+          gathered: str = "b") -> torch.Tensor:
     """out [E, M, N], out[e] = a[rows of e]^T @ b[rows of e] (tokens as K, row-table order;
     an expert without rows gets zeros). With `accumulate_into` (fp32 [E, M, N], e.g. a view
     of Megatron's main_grads: dense 16-byte aligned [M, N] planes, which may lie apart) the
@@ -303,32 +304,44 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
     deterministic) and that tensor is returned; with `reverse_experts` expert e's gradient
     goes into plane E - 1 - e. out_dtype: bfloat16 (default) or float32; with
     accumulate_into only float32. gather = (peer_rank, peer_token), int32 [rows] (EP = 1):
-    b is the tokens [T, N] (N a multiple of 64) and b's row j is token peer_token[j] (zeros
-    where peer_rank[j] < 0), gathered by the kernel's producer: the bits of passing the
-    gathered rows, without writing them."""
+    the operands named by `gathered` ("a", "b" or "ab") are the tokens ([T, M] / [T, N],
+    columns a multiple of 64) and their row j is token peer_token[j] (zeros where
+    peer_rank[j] < 0), gathered by the kernel's producer: the bits of passing the gathered
+    rows, without writing them."""
     if accumulate_into is not None and out_dtype not in (None, torch.float32):
         raise TypeError(f"megatron_mok: wgrad accumulates in float32, got out_dtype={out_dtype}")
     out_dtype = out_dtype or torch.bfloat16
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"megatron_mok: wgrad out_dtype must be bfloat16 or float32, "
                         f"got {out_dtype}")
-    if gather is None and a.shape[0] != b.shape[0]:
-        raise ValueError(f"megatron_mok: a and b must have the same rows, got {a.shape[0]} "
-                         f"and {b.shape[0]}")
     _check("a", a, 2)
     _check("b", b, 2)
     gather_rank = gather_token = None
-    if gather is not None:
+    operands = {"a": 1, "b": 2, "ab": 3}
+    if gather is None:
+        rows = a.shape[0]
+        if b.shape[0] != rows:
+            raise ValueError(f"megatron_mok: a and b must have the same rows, got {a.shape[0]} "
+                             f"and {b.shape[0]}")
+    else:
+        if gathered not in operands:
+            raise ValueError(f"megatron_mok: gathered must be 'a', 'b' or 'ab', got {gathered!r}")
         gather_rank, gather_token = gather
+        rows = gather_rank.shape[0] if gather_rank.dim() == 1 else -1
         for name, t in (("peer_rank", gather_rank), ("peer_token", gather_token)):
-            if t.dtype != torch.int32 or tuple(t.shape) != (a.shape[0],) or not t.is_contiguous():
+            if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != rows \
+                    or not t.is_contiguous():
                 raise ValueError(f"megatron_mok: the wgrad gather's {name} must be contiguous "
-                                 f"int32 [{a.shape[0]}], got {t.dtype} {tuple(t.shape)}")
-        if b.shape[1] % 64 or b.shape[0] == 0:
-            raise ValueError(f"megatron_mok: gathered wgrad rows need N a multiple of 64 and "
-                             f"at least one token, got b {tuple(b.shape)}")
+                                 f"int32 [rows], got {t.dtype} {tuple(t.shape)}")
+        for name, t in (("a", a), ("b", b)):
+            if name in gathered and (t.shape[1] % 64 or t.shape[0] == 0):
+                raise ValueError(f"megatron_mok: gathered wgrad rows need {name}'s columns a "
+                                 f"multiple of 64 and at least one token, got {tuple(t.shape)}")
+            if name not in gathered and t.shape[0] != rows:
+                raise ValueError(f"megatron_mok: {name} must hold the row table's {rows} rows, "
+                                 f"got {t.shape[0]}")
     num_experts = expert_offsets.numel() - 1
-    _check_table(a.shape[0], expert_offsets, num_experts, None)
+    _check_table(rows, expert_offsets, num_experts, None)
     check_multiple_of_8(m=a.shape[1], n=b.shape[1])
     shape = (num_experts, a.shape[1], b.shape[1])
     if reverse_experts and accumulate_into is None:
@@ -349,11 +362,11 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
     if accumulate_into is not None:
         torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, accumulate_into, True,
                                              max_ctas, reverse_experts, gather_rank,
-                                             gather_token)
+                                             gather_token, operands.get(gathered, 2))
         return accumulate_into
     out = a.new_empty(*shape, dtype=out_dtype)
     torch.ops.megatron_mok.grouped_wgrad(a, b, expert_offsets, out, False, max_ctas, False,
-                                         gather_rank, gather_token)
+                                         gather_rank, gather_token, operands.get(gathered, 2))
     return out
 
 

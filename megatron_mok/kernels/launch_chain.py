@@ -187,26 +187,28 @@ def bias_grads(saved: KernelSaved, grads: "megakernel.DataGradients", sched: MoK
 
 
 def weight_grad(core: str, a: torch.Tensor, b: torch.Tensor, sched: MoKSchedule,
-                 weight: torch.Tensor, acc, gather_b: bool = False) -> torch.Tensor:
+                 weight: torch.Tensor, acc, gathered: str = "") -> torch.Tensor:
     """dw[e] = a[rows of e]^T @ b[rows of e]: tokens are K, in row-table order; one GEMM
     owns each output tile. With an accumulator (grad_accumulation) the fp32 gradient goes
-    into its buffers, in the wgrad's epilogue where they lie equally spaced. gather_b (the
-    core only, EP = 1): b is the tokens and the kernel gathers the row table's rows."""
+    into its buffers, in the wgrad's epilogue where they lie equally spaced. gathered ("a",
+    "b"; the core only, EP = 1): that operand is the tokens and the kernel gathers the row
+    table's rows of it."""
     offsets = sched.expert_offsets
-    gather = (sched.peer_rank, sched.peer_token) if gather_b else None
+    gather = (sched.peer_rank, sched.peer_token) if gathered else None
+    kw = dict(gather=gather, gathered=gathered) if gathered else {}
     if core != "mok":
-        if gather_b:
+        if gathered:
             raise ValueError("megatron_mok: the gathered weight gradient runs on the mok core")
         dw = torch._grouped_mm(a.t(), b, offs=offsets[1:])
     elif acc is None:
-        return grouped_gemm.wgrad(a, b, offsets, gather=gather)
+        return grouped_gemm.wgrad(a, b, offsets, **kw)
     elif acc.fused_runs is not None:  # one launch per run of equally spaced buffers
         for first, count, planes, reverse in acc.fused_runs:
             grouped_gemm.wgrad(a, b, offsets[first:first + count + 1], accumulate_into=planes,
-                               reverse_experts=reverse, gather=gather)
+                               reverse_experts=reverse, **kw)
         return acc.finish(weight)
     else:
-        dw = grouped_gemm.wgrad(a, b, offsets, out_dtype=torch.float32, gather=gather)
+        dw = grouped_gemm.wgrad(a, b, offsets, out_dtype=torch.float32, **kw)
     if acc is None:
         return dw
     acc.add_(dw)
