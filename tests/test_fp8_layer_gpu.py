@@ -77,17 +77,23 @@ def test_fp8_kernel_pass_is_bitwise_deterministic():
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_fp8_kernel_pass_with_gathering_weight_gradients_gives_the_same_bits(shape):
+def test_fp8_kernel_pass_with_gathering_weight_gradients_gives_the_same_bits(shape,
+                                                                              monkeypatch):
     """MOK_WGRAD_GATHER=1: dW1 gathers x's rows and dW2 dy's rows in their producers (no
     bf16 x or dy rows made); every output is the default path's bits."""
+    from megatron_mok.kernels import grouped_gemm
     inputs = _inputs(shape, seed=6)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
     y0, g0 = _run(inputs, FP8_KERNEL, dy)
+    gathered, wgrad = [], grouped_gemm.wgrad
+    monkeypatch.setattr(grouped_gemm, "wgrad",
+                        lambda *a, **k: gathered.append(k.get("gathered")) or wgrad(*a, **k))
     knobs.set_env("MOK_WGRAD_GATHER", "1")
     try:
         y1, g1 = _run(inputs, FP8_KERNEL, dy)
     finally:
         knobs.set_env("MOK_WGRAD_GATHER", None)
+    assert gathered == ["a", "b"]  # dW2 read dy, dW1 read x
     assert torch.equal(y0, y1)
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name

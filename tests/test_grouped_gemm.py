@@ -467,6 +467,9 @@ def test_wgrad_gathering_its_rows_gives_the_bits_of_gathered_rows(n):
     a = _rows(capacity, 256, real, seed=42)
     gather = (peer_rank, peer_token)
     assert torch.equal(gg.wgrad(a, x, offsets, gather=gather), gg.wgrad(a, rows, offsets))
+    # Few CTAs: each walks several tasks (the ring across tasks, empty experts mid-stream).
+    assert torch.equal(gg.wgrad(a, x, offsets, gather=gather, max_ctas=4),
+                       gg.wgrad(a, rows, offsets))
     dw32 = gg.wgrad(a, rows, offsets, out_dtype=torch.float32)
     assert torch.equal(gg.wgrad(a, x, offsets, out_dtype=torch.float32, gather=gather), dw32)
     main_grad = torch.randn(offsets.numel() - 1, 256, n, generator=g).cuda()
@@ -477,6 +480,12 @@ def test_wgrad_gathering_its_rows_gives_the_bits_of_gathered_rows(n):
     b = _rows(capacity, 256, real, seed=43)
     assert torch.equal(gg.wgrad(x, b, offsets, gather=gather, gathered="a"),
                        gg.wgrad(rows, b, offsets))
+    assert torch.equal(gg.wgrad(x, b, offsets, gather=gather, gathered="a", max_ctas=3),
+                       gg.wgrad(rows, b, offsets))
+    planes = torch.zeros(offsets.numel() - 1, n, 256, device="cuda")
+    gg.wgrad(x, b, offsets, gather=gather, gathered="a", accumulate_into=planes,
+             reverse_experts=True)
+    assert torch.equal(planes.flip(0), gg.wgrad(rows, b, offsets, out_dtype=torch.float32))
     assert torch.equal(gg.wgrad(x, x, offsets, gather=gather, gathered="ab"),
                        gg.wgrad(rows, rows, offsets))
     with pytest.raises(ValueError, match="int32"):

@@ -195,7 +195,9 @@ void grouped_wgrad_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tens
   const int64_t R = gather ? gather_rank->numel() : a.size(0);  // the row table's rows
   const int64_t M = a.size(1), N = b.size(1), E = out.size(0);
   TORCH_CHECK(gather_a || a.size(0) == R, "megatron_mok: a must have the row table's rows");
-  TORCH_CHECK(gather_b || b.size(0) == R, "megatron_mok: a and b must have the same rows");
+  TORCH_CHECK(gather_b || b.size(0) == R,
+              gather ? "megatron_mok: b must have the row table's rows"
+                     : "megatron_mok: a and b must have the same rows");
   TORCH_CHECK(!(gather_a && gather_b) || a.size(0) == b.size(0),
               "megatron_mok: gathered a and b must hold the same tokens");
   if (gather) {

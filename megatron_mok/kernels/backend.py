@@ -201,15 +201,34 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
     return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:])
 
 
-def wgrad_gathers_x(core: str, fused: bool, saved: KernelSaved) -> bool:
+def wgrad_gathers_x(ws: MoKWorkspace, core: str, fused: bool, saved: KernelSaved) -> bool:
     """MOK_WGRAD_GATHER=1 at EP = 1 (x kept, its rows never made): dW1's launch gathers x's
     rows in its producer instead of reading materialised x rows (the same bits). Not with
     the backward megakernel's fused weight gradients, which read the rows."""
-    if knobs.get("MOK_WGRAD_GATHER") != "1" or core != "mok":
+    if knobs.get("MOK_WGRAD_GATHER") != "1" or core != "mok" or ws.ep_size != 1:
         return False
-    if saved.x is None or saved.x_rows is not None or saved.x.shape[1] % 64:
+    x = saved.x
+    if x is None or saved.x_rows is not None or x.shape[0] == 0 or x.shape[1] % 64:
         return False
     return not fused or backward_wgrad_path() == "launches"
+
+
+def expert_weight_grads(core: str, sched: MoKSchedule, saved: KernelSaved, dy: torch.Tensor,
+                        grads: megakernel.DataGradients, gather_x: bool, acc1=None, acc2=None):
+    """(dw2, dw1) as the core's launches: dW2 = dy_rows^T act_scaled (dy's rows gathered
+    from dy where the data gradients made none: wgrad_gathers_dy), dW1 = d_h^T x_rows (x's
+    rows gathered from x with gather_x)."""
+    if grads.dy_rows is None:
+        dw2 = weight_grad(core, dy.contiguous(), grads.act_scaled, sched, saved.w2, acc2,
+                          gathered="a")
+    else:
+        dw2 = weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, acc2)
+    if gather_x:
+        dw1 = weight_grad(core, grads.d_h, saved.x.contiguous(), sched, saved.w1, acc1,
+                          gathered="b")
+    else:
+        dw1 = weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, acc1)
+    return dw2, dw1
 
 
 def wgrad_gathers_dy(ws: MoKWorkspace, saved: KernelSaved, dy: torch.Tensor) -> bool:
@@ -217,7 +236,8 @@ def wgrad_gathers_dy(ws: MoKWorkspace, saved: KernelSaved, dy: torch.Tensor) -> 
     (the one-pass gather then writes no bf16 rows). The BF16 paths keep the rows their
     pulls or the backward megakernel write."""
     return (knobs.get("MOK_WGRAD_GATHER") == "1" and gemm_core() == "mok"
-            and fp8_reads_dy_in_place(ws, saved) and dy.shape[1] % 64 == 0)
+            and fp8_reads_dy_in_place(ws, saved) and dy.shape[0] > 0
+            and dy.shape[1] % 64 == 0)
 
 
 def fp8_reads_dy_in_place(ws: MoKWorkspace, saved: KernelSaved) -> bool:
@@ -254,7 +274,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         d_shared = torch.autograd.grad(saved.shared_out, saved.shared_leaves, dy)
     arena.barrier()
     zero_dropped_routes(ws, sched)
-    gather_x = wgrad_gathers_x(core, fused, saved)
+    gather_x = wgrad_gathers_x(ws, core, fused, saved)
     if saved.x_rows is None and not gather_x:
         # the direct megakernel or the FP8 chain gathered x on the fly: dW1 needs its rows
         saved.x_rows = gather_rows(saved.x, sched)
@@ -269,13 +289,7 @@ def backward(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy: torch
         ops.push_rows(None if fused else grads.dx_rows, arena.peer_base, arena.offset("slots"),
                       sched, topk, scalars=dots, scalar_offset=arena.offset("d_topk_w"))
     if wgrad is None:
-        dw2 = (weight_grad(core, dy.contiguous(), grads.act_scaled, sched, saved.w2, acc2,
-                           gathered="a")
-               if grads.dy_rows is None else
-               weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, acc2))
-        dw1 = (weight_grad(core, grads.d_h, saved.x.contiguous(), sched, saved.w1, acc1,
-                           gathered="b")
-               if gather_x else weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, acc1))
+        dw2, dw1 = expert_weight_grads(core, sched, saved, dy, grads, gather_x, acc1, acc2)
     elif wgrad.accumulate:  # phase 2 added them into the main_grads
         dw2, dw1 = acc2.finish(saved.w2), acc1.finish(saved.w1)
     else:

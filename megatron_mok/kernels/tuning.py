@@ -22,7 +22,7 @@ from megatron_mok.config import MoKConfig
 from megatron_mok.kernels import autotune, backend, megakernel
 from megatron_mok.kernels.autotune import BackwardPlan, ForwardPlan
 from megatron_mok.kernels.launch_chain import (expert_launches, fused_wgrad_targets, gather_rows,
-                                               gemm_core, rows_combine, weight_grad)
+                                               gemm_core, rows_combine)
 
 
 def _run(plan: ForwardPlan, ws, sched, x, w1, w2, config: MoKConfig, b1=None, b2=None):
@@ -127,9 +127,9 @@ def tune_backward(ws, sched, x: torch.Tensor, topk_w: torch.Tensor, w1: torch.Te
             arena.view("topk_w").copy_(saved.topk_w)
         grads = backend.data_gradients(ws, sched, saved, dy, fused, plan.minibatch_rows,
                                        targets)
-        if targets is None:
-            weight_grad(core, grads.dy_rows, grads.act_scaled, sched, saved.w2, None)
-            weight_grad(core, grads.d_h, saved.x_rows, sched, saved.w1, None)
+        if targets is None:  # the pass's launches (x rows materialised above, so dW1 reads
+            # them even under MOK_WGRAD_GATHER; dW2 gathers dy where no rows were made)
+            backend.expert_weight_grads(core, sched, saved, dy, grads, gather_x=False)
 
     timings = {}
     for plan in plans:
