@@ -131,8 +131,7 @@ def _check_pass_inputs(config, ws, sched, x, topk_w, w1, w2, shared_w1, shared_w
         raise ValueError(f"megatron_mok: biases b1/b2 {'given' if b1 is not None else 'missing'}"
                          f" but MoKConfig.expert_bias is {config.expert_bias}; pass both "
                          f"biases with expert_bias=True, or neither")
-    check_fp8_pass(config, ep_size=ws.ep_size, hidden=x.shape[1], inter=w2.shape[2],
-                   biases=b1 is not None)
+    check_fp8_pass(config, hidden=x.shape[1], inter=w2.shape[2], biases=b1 is not None)
     if tuple(x.shape) != (ws.num_tokens, ws.hidden_size) or w1.shape[0] != ws.num_local_experts:
         raise ValueError(
             f"x {tuple(x.shape)} / w1 {tuple(w1.shape)} do not match the workspace "
@@ -330,9 +329,7 @@ def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1:
     # Accumulators then hold E_loc + 1 buffers, the shared weight's last.
     if fold_shared is None:
         fold_shared = shared_fold.mode() == "folded"
-    ep_size = torch.distributed.get_world_size(group) if group is not None else 1
-    check_fp8_pass(config, ep_size=ep_size, hidden=x.shape[1], inter=w2.shape[2],
-                   biases=b1 is not None)
+    check_fp8_pass(config, hidden=x.shape[1], inter=w2.shape[2], biases=b1 is not None)
     # (FP8 keeps the shared expert in BF16, as MoK does: never folded into the FP8 experts.)
     if fold_shared and b1 is None and not config.fp8 \
             and shared_fold.foldable(w1, w2, shared_w1, shared_w2) \

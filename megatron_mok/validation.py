@@ -124,13 +124,12 @@ def check_kernel_config(config, ep_size: int = 1) -> None:
         raise ValueError(f"megatron_mok: {reason}")
 
 
-def check_fp8_pass(config, *, ep_size: int, hidden: int, inter: int, biases: bool) -> None:
+def check_fp8_pass(config, *, hidden: int, inter: int, biases: bool) -> None:
     """What the blockwise FP8 spec covers so far: SwiGLU experts without biases, H and I
     multiples of 128 (the recipe's group size), at any EP size (the kernel backend's
-    limits are kernel_config_refusal's). ep_size is kept for the callers' symmetry."""
+    limits are kernel_config_refusal's)."""
     if not config.fp8:
         return
-    del ep_size  # every EP size: the spec's quantisation is per row or per expert
     wanted = [(config.activation.is_swiglu, f"SwiGLU experts (got "
                f"{config.activation.describe()}): pass --swiglu"),
               (not biases, "experts without biases: pass --disable-bias-linear"),

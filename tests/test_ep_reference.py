@@ -27,16 +27,22 @@ def _global_inputs(ep_size, shared, routing="random"):
     return g
 
 
-def _rank_fn(rank, ep_size, shared, routing, out_dir):
-    g = _global_inputs(ep_size, shared, routing)
+def _rank_leaves(g, rank, shared):
+    """Rank `rank`'s tokens and experts of the global inputs, as fresh autograd leaves."""
     tokens = slice(rank * T, (rank + 1) * T)
     experts = slice(rank * E_LOC, (rank + 1) * E_LOC)
     local = {"x": g["x"][tokens], "topk_idx": g["topk_idx"][tokens],
              "topk_w": g["topk_w"][tokens], "w1": g["w1"][experts], "w2": g["w2"][experts]}
     if shared:
         local.update(shared_w1=g["shared_w1"], shared_w2=g["shared_w2"])
-    leaves = {k: v.clone().contiguous().requires_grad_() if v.is_floating_point()
-              else v.contiguous() for k, v in local.items()}
+    return {k: v.clone().contiguous().requires_grad_() if v.is_floating_point()
+            else v.contiguous() for k, v in local.items()}
+
+
+def _rank_fn(rank, ep_size, shared, routing, out_dir):
+    g = _global_inputs(ep_size, shared, routing)
+    tokens = slice(rank * T, (rank + 1) * T)
+    leaves = _rank_leaves(g, rank, shared)
     y = mok.fused_moe(**leaves, group=dist.group.WORLD)
     dy = torch.randn(T * ep_size, H, generator=torch.Generator().manual_seed(22))[tokens]
     y.backward(dy.bfloat16())
@@ -92,12 +98,7 @@ def _fp8_rank_fn(rank, ep_size, wgrad, out_dir):
     from megatron_mok.config import MoKConfig
     g = _fp8_inputs(ep_size)
     tokens = slice(rank * T, (rank + 1) * T)
-    experts = slice(rank * E_LOC, (rank + 1) * E_LOC)
-    local = {"x": g["x"][tokens], "topk_idx": g["topk_idx"][tokens],
-             "topk_w": g["topk_w"][tokens], "w1": g["w1"][experts], "w2": g["w2"][experts],
-             "shared_w1": g["shared_w1"], "shared_w2": g["shared_w2"]}
-    leaves = {k: v.clone().contiguous().requires_grad_() if v.is_floating_point()
-              else v.contiguous() for k, v in local.items()}
+    leaves = _rank_leaves(g, rank, shared=True)
     config = MoKConfig(backend="reference", fp8="blockwise", fp8_wgrad=wgrad)
     y = mok.fused_moe(**leaves, group=dist.group.WORLD, config=config)
     dy = torch.randn(T * ep_size, FP8_SHAPE["hidden"],

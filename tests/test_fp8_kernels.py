@@ -185,17 +185,23 @@ def test_quantize_weights_bits_match_the_spec_in_both_layouts(shape):
     assert torch.equal(_bits(got.qt), _bits(ref_t.data))
 
 
+def _dgrad_inputs(routing, hidden, inter, seed):
+    """A row table and the FP8 fc2 dgrad's operands on it: (offsets, num_rows, offs, dy
+    quantised (dyq, dys), row_w (0 on padding rows), w2 as Fp8Weight, h)."""
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    E = len(offs) - 1
+    dy = rand_bf16(capacity, hidden, seed=seed, real=real)
+    h = rand_bf16(capacity, 2 * inter, seed=seed + 1, scale=2.0)
+    row_w = torch.rand(capacity, generator=torch.Generator().manual_seed(seed + 2)).cuda()
+    row_w[~real.cuda()] = 0
+    w2 = f8.quantize_weights(rand_bf16(E, hidden, inter, seed=seed + 3, scale=inter ** -0.5))
+    return offsets, num_rows, offs, f8.quantize_rows(dy), row_w, w2, h
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", list(COUNTS))
 def test_fp8_dgrad_swiglu_routed_matches_fp32(routing):
-    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
-    E, hidden, inter = len(offs) - 1, 1024, 384
-    dy = rand_bf16(capacity, hidden, seed=14, real=real)
-    h = rand_bf16(capacity, 2 * inter, seed=15, scale=2.0)
-    row_w = torch.rand(capacity, generator=torch.Generator().manual_seed(16)).cuda()
-    row_w[~real.cuda()] = 0
-    w2 = f8.quantize_weights(rand_bf16(E, hidden, inter, seed=17, scale=inter ** -0.5))
-    dyq, dys = f8.quantize_rows(dy)
+    offsets, num_rows, offs, (dyq, dys), row_w, w2, h = _dgrad_inputs(routing, 1024, 384, 14)
     d_h, dots_part, act_scaled = f8.dgrad_swiglu_routed(dyq, dys, row_w, w2, h, offsets,
                                                         num_rows)
     w2t = BlockwiseFP8Tensor(w2.qt, w2.scale_t, 128)
@@ -220,14 +226,7 @@ def test_fp8_dgrad_quantises_d_h_as_the_row_quantiser(routing, inter):
     """The fc2 dgrad's epilogue quantises d_h (E4M3 rows, transposed scales) with the bits of
     quantize_rows over the d_h it stores, and the d_h, dots and act_scaled it returns are
     those of the launch without the quantisation."""
-    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
-    E, hidden = len(offs) - 1, 512
-    dy = rand_bf16(capacity, hidden, seed=24, real=real)
-    h = rand_bf16(capacity, 2 * inter, seed=25, scale=2.0)
-    row_w = torch.rand(capacity, generator=torch.Generator().manual_seed(26)).cuda()
-    row_w[~real.cuda()] = 0
-    w2 = f8.quantize_weights(rand_bf16(E, hidden, inter, seed=27, scale=inter ** -0.5))
-    dyq, dys = f8.quantize_rows(dy)
+    offsets, num_rows, _, (dyq, dys), row_w, w2, h = _dgrad_inputs(routing, 512, inter, 24)
     plain = f8.dgrad_swiglu_routed(dyq, dys, row_w, w2, h, offsets, num_rows)
     d_h, dots_part, act_scaled, (dhq, dhs) = f8.dgrad_swiglu_routed(
         dyq, dys, row_w, w2, h, offsets, num_rows, quantize_dh=True)

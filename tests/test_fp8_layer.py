@@ -65,12 +65,12 @@ def test_what_fp8_does_not_cover_yet_is_refused():
     with pytest.raises(ValueError, match="multiples of 128.*or run the MoE layers in BF16"):
         mok.fused_moe(**inputs, config=FP8)
     ok = dict(hidden=256, inter=128, biases=False)
-    check_fp8_pass(FP8, ep_size=8, **ok)  # the spec runs at every EP size
+    check_fp8_pass(FP8, **ok)  # no EP limit: the spec runs at every EP size
     with pytest.raises(ValueError, match="SwiGLU experts.*--swiglu"):
-        check_fp8_pass(MoKConfig(fp8="blockwise", activation=A.GPT_OSS), ep_size=1, **ok)
+        check_fp8_pass(MoKConfig(fp8="blockwise", activation=A.GPT_OSS), **ok)
     with pytest.raises(ValueError, match="without biases.*--disable-bias-linear"):
-        check_fp8_pass(FP8, ep_size=1, hidden=256, inter=128, biases=True)
-    check_fp8_pass(MoKConfig(), ep_size=8, hidden=8, inter=8, biases=True)  # BF16: no limits
+        check_fp8_pass(FP8, hidden=256, inter=128, biases=True)
+    check_fp8_pass(MoKConfig(), hidden=8, inter=8, biases=True)  # BF16: no limits
     with pytest.raises(ValueError, match="opt-in: set MOK_FP8_KERNELS=1.*--mok-backend reference"):
         check_kernel_config(FP8)
     knobs.set_env("MOK_FP8_KERNELS", "1")

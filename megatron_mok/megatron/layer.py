@@ -160,8 +160,8 @@ class MokMoELayer(MoELayer):
                                               activation=from_megatron(config),
                                               expert_bias=bool(config.add_bias_linear),
                                               fp8=_check_fp8(config) or mok_config.fp8)
-        check_fp8_pass(self.mok_config, ep_size=config.expert_model_parallel_size or 1,
-                       hidden=config.hidden_size, inter=config.moe_ffn_hidden_size,
+        check_fp8_pass(self.mok_config, hidden=config.hidden_size,
+                       inter=config.moe_ffn_hidden_size,
                        biases=self.mok_config.expert_bias)
         # FP8: the weights quantised once per optimizer step (reused across micro-batches
         # once the step hook runs: install_step_check).
