@@ -365,6 +365,7 @@ class MokBackend(Backend):
             self.info["mok_forward"] = os.environ.get("MOK_FORWARD", "auto")
             self.info["mok_backward"] = os.environ.get("MOK_BACKWARD", "launches")
             self.info["mok_ep1_combine"] = os.environ.get("MOK_EP1_COMBINE", "rows")
+            self.info["mok_wgrad_gather"] = os.environ.get("MOK_WGRAD_GATHER", "0")
             cache = autotune.cache_file()
             self.info["autotune_cache"] = str(cache) if cache.exists() else None
 
