@@ -6,7 +6,7 @@
 # --deterministic-mode on every run. Logs under
 # ${OUT:-gpu_out}/train_*.log, summary JSON from `python -m benchmarks.train_report`.
 # Env: CONFIGS (default "tiny qwen3"; "gpt-oss" = configs/gpt_oss_120b.args sliced to one
-# GPU; "qwen3-ep8" = the 16-layer Qwen3-30B-A3B config at EP 8 on an 8-GPU machine, issue
+# GPU; "dsv3" = the DeepSeek-V3 proxy, 32 experts, on one GPU; "qwen3-ep8" = the 16-layer Qwen3-30B-A3B config at EP 8 on an 8-GPU machine, issue
 # 7's end-to-end run), STEPS (50), RUN_TIMEOUT (seconds per run; 240, qwen3-ep8 900), RUNS
 # (default "mok alltoall mok2 mokfused"; "mokfp8" / "mokfp82": `mok` with --mok-fp8 blockwise
 # on the FP8 kernels, MOK_FP8_KERNELS=1, run twice for identical losses; "mokmfp8" /
@@ -36,6 +36,11 @@ for cfg in ${CONFIGS:-tiny qwen3}; do
     gpt-oss) file=configs/gpt_oss_120b.args
            extra=(--num-layers 2 --expert-model-parallel-size 1 --num-experts 16
                   --global-batch-size 8 --lr-warmup-iters 5 --num-workers 0) ;;
+    # The DeepSeek-V3 proxy (a dense layer then an MoE layer with its shared expert, group-
+    # limited sigmoid routing) cut to one GPU: 32 of its 256 experts, a 32k vocabulary.
+    dsv3)  file=configs/deepseek_v3_proxy.args
+           extra=(--expert-model-parallel-size 1 --num-experts 32 --vocab-size 32768
+                  --global-batch-size 4 --lr-warmup-iters 5 --num-workers 0) ;;
     qwen3-ep8) file=configs/qwen3_30b_a3b.args  # as configured: 16 layers, EP 8
            extra=(--lr-warmup-iters 5 --num-workers 0); nproc=8 limit=${RUN_TIMEOUT:-900} ;;
     *) echo "unknown config $cfg"; continue ;;
