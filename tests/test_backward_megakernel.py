@@ -342,25 +342,30 @@ def test_a_thread_without_a_cuda_context_can_launch():
     assert done.stdout.strip().endswith("OK"), done.stdout + done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("forward", ["megakernel", "launches"])
 @pytest.mark.parametrize("backward", ["megakernel", "launches"])
-def test_wgrad_gathering_x_gives_the_same_bits(backward, monkeypatch):
-    """MOK_WGRAD_GATHER=1: dW1's launch gathers x's rows itself (no x rows are made) and the
-    training step's every gradient is the bits of the default path; the x rows are not
-    materialised."""
+def test_wgrad_gathering_x_gives_the_same_bits(forward, backward, monkeypatch):
+    """MOK_WGRAD_GATHER=1: dW1's launch gathers x's rows itself and the training step's
+    every gradient is the bits of the default path; the backward materialises no x rows,
+    and a forward that made them (the launch chain) does not keep them for the backward."""
     inputs = _inputs(2048, 768, 16, 8, tokens=1500, seed=13)
     dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
-    monkeypatch.setenv("MOK_FORWARD", "megakernel")  # direct at EP = 1: no x rows kept
+    monkeypatch.setenv("MOK_FORWARD", forward)  # megakernel: direct at EP = 1, no x rows made
     monkeypatch.setenv("MOK_BACKWARD", backward)
     plain = _training_step(inputs, dy)
-    gathered_rows, gathers = [], []
+    gathered_rows, gathers, kept_rows = [], [], []
     gather_rows, wgrad = kernel_backend.gather_rows, grouped_gemm.wgrad
+    saved_type = kernel_backend.KernelSaved
     monkeypatch.setattr(kernel_backend, "gather_rows",
                         lambda *a, **k: gathered_rows.append(1) or gather_rows(*a, **k))
     monkeypatch.setattr(grouped_gemm, "wgrad",
                         lambda *a, **k: gathers.append(k.get("gather") is not None) or
                         wgrad(*a, **k))
+    monkeypatch.setattr(kernel_backend, "KernelSaved",
+                        lambda *a: kept_rows.append(a[4] is not None) or saved_type(*a))
     monkeypatch.setenv("MOK_WGRAD_GATHER", "1")
     gathered = _training_step(inputs, dy)
     for name in plain:
         assert torch.equal(gathered[name], plain[name]), name
     assert not gathered_rows and gathers == [False, True]  # dW2 as before, dW1 read x
+    assert kept_rows == [False]

@@ -142,6 +142,8 @@ def forward(ws: MoKWorkspace, sched: MoKSchedule, x, topk_w, w1, w2, shared_w1, 
         topk_idx = routed_ids(ws, topk_idx)
         slots = arena.view("slots").view(num_tokens, topk, hidden)
         y = ops.combine_epilogue(slots, topk_idx, topk_w.detach(), shared_y)
+    if x_rows is not None and not wgrad_reads_x_rows(ws, x):
+        x_rows = None  # the chain's rows die here: dW1 gathers them from x (MOK_WGRAD_GATHER)
     saved = None
     if keep_ctx:  # act and y_rows are not kept: the backward recomputes what it needs from h
         saved = KernelSaved(topk_idx, topk_w.detach(), w1.detach(), w2.detach(), x_rows, h,
@@ -199,6 +201,16 @@ def data_gradients(ws: MoKWorkspace, sched: MoKSchedule, saved: KernelSaved, dy:
     ops.pull_rows(arena.peer_base, arena.offset("dy"), sched, ws.topk, dy_rows,
                   w_offset=arena.offset("topk_w"), row_w=row_w)
     return dgrad_launches(gemm_core(), sched, saved, dy_rows, row_w, sched.expert_offsets[1:])
+
+
+def wgrad_reads_x_rows(ws: MoKWorkspace, x: torch.Tensor) -> bool:
+    """Whether the backward's dW1 reads materialised x rows, so that a forward which made
+    them keeps them: not where MOK_WGRAD_GATHER=1 lets dW1 gather from x (EP = 1, the mok
+    core, weight gradients as launches); there the backward keeps x only, as SonicMoE's
+    (qwen3-30b-a3b, T = 8192: 256 MiB less saved per layer)."""
+    return not (knobs.get("MOK_WGRAD_GATHER") == "1" and gemm_core() == "mok"
+                and ws.ep_size == 1 and x.shape[0] > 0 and x.shape[1] % 64 == 0
+                and backward_wgrad_path() == "launches")
 
 
 def wgrad_gathers_x(ws: MoKWorkspace, core: str, fused: bool, saved: KernelSaved) -> bool:
