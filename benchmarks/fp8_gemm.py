@@ -90,6 +90,11 @@ def fns_of(case, num_tokens: int):
         "fp8_fwd": lambda: f8.expert_forward(x, w1q, w2q, offsets, num_rows)[0],
         "fp8_fc1": lambda: f8.fc1_swiglu(xq, xs, w1q.data, w1q.scale, offsets, num_rows,
                                          save_h=False),
+        # act quantised in fc1's epilogue (the forward's path) vs fc1 + the row quantiser
+        "fp8_fc1_qact": lambda: f8.fc1_swiglu(xq, xs, w1q.data, w1q.scale, offsets, num_rows,
+                                              save_h=True, quantize_act=True),
+        "fp8_fc1_h": lambda: f8.fc1_swiglu(xq, xs, w1q.data, w1q.scale, offsets, num_rows,
+                                           save_h=True),
         "fp8_fc2": lambda: f8.rows_matmul(aq, as_, w2q.data, w2q.scale, offsets, num_rows),
         "quant_x": lambda: f8.quantize_rows(x),
         "quant_act": lambda: f8.quantize_rows(act_bf),
@@ -146,7 +151,8 @@ def main(argv=None) -> int:
         err = rel_l2(fns["fp8_fwd"]()[:used].float(), fns["bf16_fwd"]()[:used].float())
         R, H, I = case["routes"], local.hidden, local.inter
         flops = {"bf16_fwd": 6.0 * R * H * I, "fp8_fwd": 6.0 * R * H * I,
-                 "fp8_fc1": 4.0 * R * H * I, "fp8_fc2": 2.0 * R * H * I,
+                 "fp8_fc1": 4.0 * R * H * I, "fp8_fc1_qact": 4.0 * R * H * I,
+                 "fp8_fc1_h": 4.0 * R * H * I, "fp8_fc2": 2.0 * R * H * I,
                  "fp8_dgrad": 2.0 * R * H * I, "fp8_dgrad_qdh": 2.0 * R * H * I}
         rec = dict(shape=name, T=args.tokens, routing=args.routing, E_loc=local.num_local_experts,
                    H=H, I=I, K=local.topk, routes=R, rel_l2_fp8_vs_bf16=err)

@@ -106,9 +106,10 @@ TORCH_LIBRARY(megatron_mok, m) {
   // quantize_fp8_rows: bf16 [R, K] -> E4M3 q and scale_t (1 x 128 groups along K).
   m.def("grouped_fp8_gemm_rows(Tensor a, Tensor a_scale_t, Tensor w, Tensor w_scale, "
         "Tensor expert_offsets, Tensor num_rows, Tensor(a!) out, int max_ctas) -> ()");
+  // act_q / act_scale_t in place of act: act quantised 1 x 128 in the epilogue (fc2's A).
   m.def("grouped_fp8_fc1_swiglu(Tensor x_rows, Tensor x_scale_t, Tensor w1, Tensor w1_scale, "
-        "Tensor expert_offsets, Tensor num_rows, Tensor(a!) act, Tensor(b!)? h, "
-        "int max_ctas) -> ()");
+        "Tensor expert_offsets, Tensor num_rows, Tensor(a!)? act, Tensor(b!)? h, "
+        "int max_ctas, Tensor(c!)? act_q=None, Tensor(d!)? act_scale_t=None) -> ()");
   // grouped_fp8_dgrad_swiglu: w2t [E, I, H] (w2 transposed, 128 x 128 blocks along H);
   // row_w / dots_part [rows, I / 128] / act_scaled as grouped_dgrad_swiglu's; dh_q /
   // dh_scale_t: d_h also quantised 1 x 128 in the epilogue (fc1 dgrad's A).

@@ -240,6 +240,37 @@ def test_fp8_dgrad_quantises_d_h_as_the_row_quantiser(routing, inter):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("routing", list(COUNTS))
+@pytest.mark.parametrize("hidden, inter", [(512, 256), (768, 384), (2048, 768)])
+def test_fc1_quantises_act_as_the_row_quantiser(routing, hidden, inter):
+    """fc1's epilogue quantises act (E4M3 rows, transposed scales) with the bits of
+    quantize_rows over the bf16 act the plain launch stores, its h is that launch's, and
+    the bits hold for any grid (a CTA running several tile pairs) and cluster size."""
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    E = len(offs) - 1
+    x = rand_bf16(capacity, hidden, seed=31, real=real)
+    w1 = f8.quantize_weight(rand_bf16(E, 2 * inter, hidden, seed=32, scale=hidden ** -0.5))
+    xq, x_scale_t = f8.quantize_rows(x)
+    act, h = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows)
+    n = offs[-1]  # rows in the segments
+    want_q, want_s = f8.quantize_rows(act[:n].contiguous())
+    assert bool((want_s != 1).any())  # real groups, not only zero-row scales
+    try:
+        for cluster, ctas in (("1", 0), ("1", 3), ("2", 0), ("2", 4)):
+            knobs.set_env("MOK_GEMM_CLUSTER", cluster)
+            (aq, a_scale_t), h_q = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets,
+                                                 num_rows, max_ctas=ctas, quantize_act=True)
+            assert torch.equal(h_q[:n], h[:n]), (cluster, ctas)
+            assert torch.equal(_bits(aq[:n]), _bits(want_q)), (cluster, ctas)
+            assert torch.equal(a_scale_t[:, :n], want_s), (cluster, ctas)
+    finally:
+        knobs.set_env("MOK_GEMM_CLUSTER", None)
+    (aq, a_scale_t), none = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows,
+                                          save_h=False, quantize_act=True)
+    assert none is None and torch.equal(_bits(aq[:n]), _bits(want_q))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [640, 384])
 @pytest.mark.parametrize("hidden", [512, 640])  # 640: a warp's 4 groups span two rows
 def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows, hidden):

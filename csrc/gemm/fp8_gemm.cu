@@ -30,6 +30,8 @@ using CfgFp8Rows = Fp8GemmConfig<Epi::kStore, 5, C, O>;
 template <int C, bool O = false>
 using CfgFp8Fc1SwiGLU = Fp8GemmConfig<Epi::kSwiGLU, 5, C, O>;
 template <int C, bool O = false>
+using CfgFp8Fc1SwiGLUQuantAct = Fp8GemmConfig<Epi::kSwiGLU, 5, C, O, true>;
+template <int C, bool O = false>
 using CfgFp8DgradSwiGLU = Fp8GemmConfig<Epi::kSwiGLUBwd, 5, C, O>;
 
 constexpr int kGroup = 128;  // the recipe's group: 1 x 128 (activations), 128 x 128 (weights)
@@ -143,26 +145,44 @@ void grouped_fp8_gemm_rows_cuda(const at::Tensor& a, const at::Tensor& a_scale_t
 
 // act [rows, I] bf16 = SwiGLU(dq(x) @ dq(w1[e])^T), h [rows, 2I] the pre-activations (bf16,
 // optional): x [rows, H] E4M3 with x_scale_t [H / 128, >= rows], w1 [E, 2I, H] E4M3 (gate
-// rows, then up rows) with w1_scale [E, 2I / 128, H / 128].
+// rows, then up rows) with w1_scale [E, 2I / 128, H / 128]. act_q [rows, I] E4M3 and
+// act_scale_t [I / 128, >= rows] instead of act: act quantised 1 x 128 in the epilogue from
+// its bf16 rounding (the bits of quantize_fp8_rows(act)), no bf16 act written.
 void grouped_fp8_fc1_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scale_t,
                                  const at::Tensor& w1, const at::Tensor& w1_scale,
                                  const at::Tensor& offsets, const at::Tensor& num_rows,
-                                 const at::Tensor& act, const std::optional<at::Tensor>& h,
-                                 int64_t max_ctas) {
+                                 const std::optional<at::Tensor>& act,
+                                 const std::optional<at::Tensor>& h, int64_t max_ctas,
+                                 const std::optional<at::Tensor>& act_q,
+                                 const std::optional<at::Tensor>& act_scale_t) {
   check_fp8_cuda(x, "x_rows", 2);
   check_fp8_cuda(w1, "w1", 3);
-  check_bf16_cuda(act, "act", 2);
   const int64_t R = x.size(0), H = x.size(1), E = w1.size(0), I = w1.size(1) / 2;
   TORCH_CHECK(w1.size(1) == 2 * I && w1.size(2) == H, "megatron_mok: w1 must be [E, 2I, H]");
   TORCH_CHECK(H % kGroup == 0 && I % kGroup == 0,
               "megatron_mok: blockwise FP8 needs H and I to be multiples of 128, got H = ", H,
               ", I = ", I);
   TORCH_CHECK(offsets.numel() == E + 1, "megatron_mok: expert_offsets must have E + 1 entries");
-  TORCH_CHECK(act.size(0) == R && act.size(1) == I, "megatron_mok: act must be [rows, I]");
+  const bool quant = act_q.has_value();
+  TORCH_CHECK(quant == act_scale_t.has_value() && quant != act.has_value(),
+              "megatron_mok: give act, or act_q and act_scale_t");
+  if (quant) {
+    check_fp8_cuda(*act_q, "act_q", 2);
+    TORCH_CHECK(act_q->size(0) == R && act_q->size(1) == I && act_q->device() == x.device(),
+                "megatron_mok: act_q must be [rows, I] on x's device");
+    check_a_scale(*act_scale_t, I, R);
+    TORCH_CHECK(act_scale_t->device() == x.device(),
+                "megatron_mok: act_scale_t must be on x's device");
+  } else {
+    check_bf16_cuda(*act, "act", 2);
+    TORCH_CHECK(act->size(0) == R && act->size(1) == I, "megatron_mok: act must be [rows, I]");
+  }
   check_a_scale(x_scale_t, H, R);
   check_f32_cuda(w1_scale, "w1_scale", {E, 2 * I / kGroup, H / kGroup});
   c10::cuda::CUDAGuard guard(x.device());
-  GemmParams p = rows_params(offsets, num_rows, R, I, H, CfgFp8Fc1SwiGLU<1>::BN / 2);
+  // kQuantAct: a task is a pair of 64-act-column tiles (one 1 x 128 group).
+  GemmParams p = rows_params(offsets, num_rows, R, I, H,
+                             CfgFp8Fc1SwiGLU<1>::BN / 2 * (quant ? 2 : 1));
   if (h.has_value()) {
     check_bf16_cuda(*h, "h", 2);
     TORCH_CHECK(h->size(0) == R && h->size(1) == 2 * I, "megatron_mok: h must be [rows, 2I]");
@@ -170,7 +190,20 @@ void grouped_fp8_fc1_swiglu_cuda(const at::Tensor& x, const at::Tensor& x_scale_
   }
   const Fp8Scales s{x_scale_t.data_ptr<float>(), x_scale_t.stride(0), w1_scale.data_ptr<float>(),
                     int(2 * I / kGroup), int(H / kGroup), int(I / kGroup)};
-  const OutView act_view = rows_view(act);
+  if (quant) {
+    p.act_q = reinterpret_cast<uint8_t*>(act_q->data_ptr());
+    p.act_scale_t = act_scale_t->data_ptr<float>();
+    p.act_scale_ld = act_scale_t->stride(0);
+    // No bf16 act: the output view (never stored to) spans act_q's bytes as bf16.
+    const OutView q_view = rows_view(act_q->view(at::kBFloat16));
+    const OutView h_view = h.has_value() ? halves_view(*h) : q_view;
+    with_fp8_cluster<CfgFp8Fc1SwiGLUQuantAct>([&](auto cfg) {
+      launch_fp8<decltype(cfg)>(p, s, x, int(R), int(H), w1, int(I), int(H), int(2 * E), q_view,
+                                h_view, max_ctas);
+    });
+    return;
+  }
+  const OutView act_view = rows_view(*act);
   const OutView h_view = h.has_value() ? halves_view(*h) : act_view;
   with_fp8_cluster<CfgFp8Fc1SwiGLU>([&](auto cfg) {
     launch_fp8<decltype(cfg)>(p, s, x, int(R), int(H), w1, int(I), int(H), int(2 * E), act_view,

@@ -48,12 +48,21 @@ struct Fp8TileStorage {
 // kOverlap (MOK_FP8_PROMOTION=overlap): two partials, so that K tile k's WGMMAs run while
 // tile k - 1's partial is promoted (warpgroup_wait<1>) instead of the tensor core waiting
 // for the FMAs; the promotions keep their order, so the bits are the serial loop's.
-template <Epi kEpi, int kStages = 5, int kCluster_ = 1, bool kOverlap_ = false>
+//
+// kQuantAct (kSwiGLU only): act is quantised 1 x 128 in the epilogue instead of stored in
+// bf16. A tile's 64 act columns are half a group, so a task is a pair of neighbouring N
+// tiles run back to back by one CTA (kPairs = 2): the first tile's act waits in registers
+// (bf16, 16 words a thread) until the second's completes its row groups.
+template <Epi kEpi, int kStages = 5, int kCluster_ = 1, bool kOverlap_ = false,
+          bool kQuantAct_ = false>
 struct Fp8GemmConfig {
   static_assert(kEpi == Epi::kStore || kEpi == Epi::kSwiGLU || kEpi == Epi::kSwiGLUBwd,
                 "FP8: fc1 + SwiGLU, plain rows and the fc2 dgrad + SwiGLU backward");
   static constexpr int BM = 128, BN = 128, BK = 128, Stages = kStages, kCluster = kCluster_;
   static constexpr bool kOverlap = kOverlap_;
+  static_assert(!kQuantAct_ || kEpi == Epi::kSwiGLU, "kQuantAct: the fc1 + SwiGLU epilogue");
+  static constexpr bool kQuantAct = kQuantAct_;
+  static constexpr int kPairs = kQuantAct ? 2 : 1;  // N tiles per task
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
   static constexpr bool kGlu = false;
   static constexpr int kAct = 0;
@@ -276,6 +285,81 @@ __device__ __forceinline__ void fp8_mma_task(Storage& smem, Mma& tiled_mma, Frag
                        task, es, ring);
 }
 
+// N tile `sub` of a task's Cfg::kPairs neighbouring tiles (the task's n_tile counts pairs).
+template <class Cfg>
+__device__ __forceinline__ Task sub_task(const Task& task, int sub) {
+  Task t = task;
+  t.n_tile = task.n_tile * Cfg::kPairs + sub;
+  return t;
+}
+
+// kQuantAct, after N tile `sub` (0, then 1) of a pair: act = SwiGLU(gate, up) of the
+// accumulators, rounded to bf16 as the bf16 store would. Tile 0's values wait in `kept`;
+// at tile 1 each row's 1 x 128 group (64 columns of each tile, over the 4 threads of a
+// quad: 16 + 16 values a thread) has its amax (fmaxf: exact, order-free), scale = amax / 448
+// (1 for a zero group), q = rne_e4m3(v / scale) saturated: quantize_fp8_rows's bits over
+// the bf16 act. Values go out as 2-byte pairs from registers, scales by the quad's first
+// thread.
+template <class Cfg, class Acc>
+__device__ __forceinline__ void quantize_act_pair(const GemmParams& p, const EpilogueState& es,
+                                                  const Task& st, int sub, const Acc& accum,
+                                                  uint32_t (&kept)[Cfg::BN / 8]) {
+  constexpr int kAcc = Cfg::BN / 2, kVals = kAcc / 2;  // accumulators, act values a thread
+  auto act_pair = [&](int i) {  // values i, i + 1 (adjacent columns of one row)
+    return __floats2bfloat162_rn(glu_forward<Cfg>(p, accum(i), accum(i + kVals)),
+                                 glu_forward<Cfg>(p, accum(i + 1), accum(i + 1 + kVals)));
+  };
+  if (sub == 0) {
+    CUTE_UNROLL
+    for (int i = 0; i < kVals; i += 2) {
+      const __nv_bfloat162 v = act_pair(i);
+      kept[i / 2] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+    return;
+  }
+  __nv_bfloat162 vals[2][kVals / 2];  // [tile][pair]
+  CUTE_UNROLL
+  for (int i = 0; i < kVals; i += 2) {
+    vals[0][i / 2] = *reinterpret_cast<const __nv_bfloat162*>(&kept[i / 2]);
+    vals[1][i / 2] = act_pair(i);
+  }
+  // Pair i / 2 of a thread is row row_t + 8 * ((i / 2) % 2), columns 8 * (i / 4) + col_t + {0, 1}.
+  float scale[2];
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    float amax = 0.f;
+    CUTE_UNROLL
+    for (int tile = 0; tile < 2; ++tile) {
+      CUTE_UNROLL
+      for (int j = half; j < kVals / 2; j += 2) {
+        const float2 v = __bfloat1622float2(vals[tile][j]);
+        amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+      }
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    scale[half] = amax > 0.f ? amax / 448.f : 1.f;
+  }
+  const int group = st.n_tile / 2;  // 128 act columns: this pair's
+  const int m0 = st.m_tile * Cfg::BM;
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int64_t r = m0 + 64 * es.wg + es.row_t + 8 * half;
+    uint8_t* row_q = p.act_q + r * p.N + group * 128 + es.col_t;
+    const float sc = scale[half];
+    CUTE_UNROLL
+    for (int tile = 0; tile < 2; ++tile) {
+      CUTE_UNROLL
+      for (int j = half; j < kVals / 2; j += 2) {
+        const float2 v = __bfloat1622float2(vals[tile][j]);
+        *reinterpret_cast<__nv_fp8x2_storage_t*>(row_q + tile * 64 + 8 * (j / 2)) =
+            __nv_cvt_float2_to_fp8x2(make_float2(v.x / sc, v.y / sc), __NV_SATFINITE, __NV_E4M3);
+      }
+    }
+    if (es.col_t == 0) p.act_scale_t[int64_t(group) * p.act_scale_ld + r] = sc;
+  }
+}
+
 // The standalone FP8 grouped-GEMM kernel (kRows; clusters of 1). Tasks from the global
 // counter (task_counter set) or static striding, as the BF16 kernel.
 template <class Cfg, class TmaA, class TmaB, class TmaBmc, class TmaO>
@@ -323,7 +407,11 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
       for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
         const Task task = decode_task<Cfg>(p, t, rank);
         if (task.skip || task.k_begin >= task.k_end) continue;
-        fp8_load_task<Cfg>(smem, tma_a, tma_b, tma_b_mc, shapes, s, task, rank, ring);
+#pragma unroll 1
+        for (int sub = 0; sub < Cfg::kPairs; ++sub) {
+          fp8_load_task<Cfg>(smem, tma_a, tma_b, tma_b_mc, shapes, s, sub_task<Cfg>(task, sub),
+                             rank, ring);
+        }
       }
     }
   } else {
@@ -345,15 +433,23 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
     EpilogueState es{wg, ctid % 128, int(get<0>(tCcD(0))) - 64 * wg, int(get<1>(tCcD(0))), 0};
     auto next_task = [&](int t_static) { return counter ? queue.pop() : t_static; };
     RingPos ring;
+    uint32_t act_kept[Cfg::BN / 8];  // kQuantAct: the pair's first tile's act (bf16 pairs)
     for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
       const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip) continue;
       // kSwiGLUBwd reads h from global memory in the epilogue: ask L2 for it first.
       if constexpr (Cfg::epi == Epi::kSwiGLUBwd) prefetch_h<Cfg>(p, task, ctid);
       const bool has_k = task.k_begin < task.k_end;
-      if (has_k)
-        fp8_mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, part2, s, task, es, ring);
-      if (task.store) tile_epilogue<Cfg>(smem, es, p, task, accum, has_k, tma_o, tma_h);
+#pragma unroll 1
+      for (int sub = 0; sub < Cfg::kPairs; ++sub) {
+        const Task st = sub_task<Cfg>(task, sub);
+        if (has_k)
+          fp8_mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, part2, s, st, es, ring);
+        if (task.store) {
+          tile_epilogue<Cfg>(smem, es, p, st, accum, has_k, tma_o, tma_h);
+          if constexpr (Cfg::kQuantAct) quantize_act_pair<Cfg>(p, es, st, sub, accum, act_kept);
+        }
+      }
     }
     if (es.wg_thread == 0) tma_store_wait<0>();
   }

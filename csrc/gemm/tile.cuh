@@ -201,6 +201,12 @@ struct GemmParams {
   uint8_t* dh_q;
   float* dh_scale_t;
   int64_t dh_scale_ld;
+  // kSwiGLU of a config with kQuantAct (the FP8 fc1): act quantised 1 x 128 along its N
+  // columns from its bf16 rounding instead of stored in bf16 (fc2's A, the bits of
+  // quantising the bf16 act): E4M3 act_q [rows, N], scales act_scale_t[g * act_scale_ld + r].
+  uint8_t* act_q;
+  float* act_scale_t;
+  int64_t act_scale_ld;
   // Cfg::kGather: a gathered operand's row j (the row table's order) is row gather_token[j]
   // of the tensor behind its row map (a_row_map, b_row_map: 1 x 64 boxes, 128B swizzle), or
   // the out-of-bounds row gather_oob_row (zero-filled) where gather_rank[j] < 0 (padding):
@@ -218,6 +224,13 @@ struct QuantizesDh : std::false_type {};
 template <class Cfg>
 struct QuantizesDh<Cfg, std::void_t<decltype(Cfg::kQuantDh)>>
     : std::bool_constant<Cfg::kQuantDh> {};
+
+// Cfg::kQuantAct where a config defines it (the FP8 fc1 configs), else false.
+template <class Cfg, class = void>
+struct QuantizesAct : std::false_type {};
+template <class Cfg>
+struct QuantizesAct<Cfg, std::void_t<decltype(Cfg::kQuantAct)>>
+    : std::bool_constant<Cfg::kQuantAct> {};
 
 __device__ __forceinline__ int expert_of_row(const int* offsets, int num_experts, int row) {
   // Last e with offsets[e] <= row; empty experts (equal offsets) are skipped over.
@@ -1054,10 +1067,12 @@ __device__ __forceinline__ void tile_epilogue(Storage& smem, EpilogueState& es, 
     for (int q = 0; q < BNh / CW; ++q) {
       if ((task.n_tile * BNh + q * CW) < p.N) {
         const int col_chunk = task.n_tile * (BNh / CW) + q;
-        emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
-          return make_float2(glu_forward<Cfg>(p, accum(i), accum(i + kAcc / 2)),
-                             glu_forward<Cfg>(p, accum(i + 1), accum(i + 1 + kAcc / 2)));
-        });
+        if constexpr (!QuantizesAct<Cfg>::value) {  // else act leaves quantised (fp8_tile.cuh)
+          emit_chunk<Cfg>(smem, es, tma_o, mO, row_tile, col_chunk, 0, q * (CW / 8), [&](int i) {
+            return make_float2(glu_forward<Cfg>(p, accum(i), accum(i + kAcc / 2)),
+                               glu_forward<Cfg>(p, accum(i + 1), accum(i + 1 + kAcc / 2)));
+          });
+        }
         if (p.store_h) {
           CUTE_UNROLL
           for (int part = 0; part < 2; ++part) {  // gate, up

@@ -11,7 +11,7 @@ row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments 
     gather_quantize_rows(x, sched)      EP = 1: the row table's rows of x quantised (+ bf16)
     quantize_weight(w)                  w [E, N, K] -> BlockwiseFP8Tensor (128 x 128; torch)
     quantize_weights(w)                 the same on the device, both layouts -> Fp8Weight
-    fc1_swiglu(xq, xs, w1q, ...)        act = SwiGLU(dq(x) dq(w1)^T) bf16 (+ h bf16)
+    fc1_swiglu(xq, xs, w1q, ...)        act = SwiGLU(dq(x) dq(w1)^T) bf16 or E4M3 (+ h bf16)
     rows_matmul(aq, as_, wq, ...)       out = dq(a) dq(w[e])^T bf16       fc2 forward
     dgrad_swiglu_routed(dyq, ...)       fc2 dgrad + router weight + SwiGLU backward (FP8)
     expert_forward(x_rows, w1q, w2q)    the FP8 experts' forward chain over the row table
@@ -20,8 +20,7 @@ row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments 
 The GEMMs promote their fp32 partial every 128 of K (docs/fp8.md), so the sums follow a
 fixed order: bitwise deterministic and independent of the grid size, as the BF16 core.
 The weight gradients run on the BF16 core (MoKConfig.fp8_wgrad = "bf16"); x and dy are
-quantised where they are gathered (EP = 1), d_h in the fc2 dgrad's epilogue, act by a
-separate pass (not yet fused into fc1's epilogue).
+quantised where they are gathered (EP = 1), act in fc1's epilogue, d_h in the fc2 dgrad's.
 """
 
 from __future__ import annotations
@@ -157,18 +156,26 @@ def rows_matmul(aq: torch.Tensor, a_scale_t: torch.Tensor, wq: torch.Tensor,
 
 def fc1_swiglu(xq: torch.Tensor, x_scale_t: torch.Tensor, w1q: torch.Tensor,
                w1_scale: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
-               save_h: bool = True, max_ctas: int = 0
-               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(act [R, I] bf16, h [R, 2I] bf16 or None): fc1 in FP8 (w1 [E, 2I, H], gate rows then up
-    rows) with SwiGLU in the epilogue, from the fp32 accumulators."""
+               save_h: bool = True, max_ctas: int = 0, quantize_act: bool = False):
+    """(act, h [R, 2I] bf16 or None): fc1 in FP8 (w1 [E, 2I, H], gate rows then up rows) with
+    SwiGLU in the epilogue, from the fp32 accumulators. act: [R, I] bf16, or with
+    quantize_act (act_q E4M3 [R, I], act_scale_t [I / 128, R]): act quantised 1 x 128 by the
+    same epilogue from its bf16 rounding, no bf16 act written (the bits of
+    quantize_rows(act); rows at and past num_rows' last 128-row tile unwritten)."""
     _check_gemm(xq, x_scale_t, w1q, w1_scale, expert_offsets, num_rows)
     rows, inter = xq.shape[0], w1q.shape[1] // 2
     _check_multiple("I", inter)
-    act = torch.empty(rows, inter, dtype=torch.bfloat16, device=xq.device)
     h = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=xq.device) if save_h else None
+    act = act_q = act_scale_t = None
+    if quantize_act:
+        act_q = torch.empty(rows, inter, dtype=FP8, device=xq.device)
+        act_scale_t = torch.empty(inter // GROUP_SIZE, -(-rows // 4) * 4, dtype=torch.float32,
+                                  device=xq.device)[:, :rows]
+    else:
+        act = torch.empty(rows, inter, dtype=torch.bfloat16, device=xq.device)
     torch.ops.megatron_mok.grouped_fp8_fc1_swiglu(xq, x_scale_t, w1q, w1_scale, expert_offsets,
-                                                  num_rows, act, h, max_ctas)
-    return act, h
+                                                  num_rows, act, h, max_ctas, act_q, act_scale_t)
+    return ((act_q, act_scale_t) if quantize_act else act), h
 
 
 def dgrad_swiglu_routed(dyq: torch.Tensor, dy_scale_t: torch.Tensor, row_w: torch.Tensor,
@@ -234,14 +241,13 @@ def expert_forward(x_rows, w1, w2,
                    expert_offsets: torch.Tensor, num_rows: torch.Tensor, save_h: bool = False,
                    max_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The routed experts' forward in FP8 over the row table: x rows quantised 1 x 128, fc1 +
-    SwiGLU, act quantised 1 x 128 (from its bf16 rounding: the quantisation is not yet fused
-    into the fc1 epilogue), fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor; x_rows: bf16 rows,
+    SwiGLU with act quantised 1 x 128 (from its bf16 rounding) in the same epilogue, fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor; x_rows: bf16 rows,
     or (E4M3 rows, scale_t) already quantised (gather_quantize_rows). Returns (out rows
     [R, H] bf16, h or None)."""
     (w1q, w1s), (w2q, w2s) = (_values_and_scales(w) for w in (w1, w2))
     xq, xs = x_rows if isinstance(x_rows, tuple) else quantize_rows(x_rows)
-    act, h = fc1_swiglu(xq, xs, w1q, w1s, expert_offsets, num_rows, save_h, max_ctas)
-    aq, as_ = quantize_rows(act)
+    (aq, as_), h = fc1_swiglu(xq, xs, w1q, w1s, expert_offsets, num_rows, save_h, max_ctas,
+                              quantize_act=True)
     return rows_matmul(aq, as_, w2q, w2s, expert_offsets, num_rows, max_ctas=max_ctas), h
 
 
