@@ -28,12 +28,15 @@ using fp8 = cute::float_e4m3_t;
 // The operand ring (fp8), the epilogue's bf16 staging buffers, A's row scales per stage,
 // the ring's barriers and the task queue (member names as TileStorage's: the shared pieces
 // of tile.cuh use them).
-template <int kElemsA, int kElemsB, int kEpiElems, int Stages>
+template <int kElemsA, int kElemsB, int kEpiElems, int Stages, int kKeptWords = 1>
 struct Fp8TileStorage {
   alignas(1024) fp8 a[kElemsA];
   alignas(1024) fp8 b[kElemsB];
   alignas(1024) bf16 epi[kEpiElems];
   alignas(16) float a_scale[Stages][128];
+  // kQuantAct: the pair's first tile's act, [word][consumer thread] (no bank conflicts);
+  // in registers it spilled (ptxas, 168 registers a thread).
+  alignas(16) uint32_t act_kept[kKeptWords];
   alignas(8) uint64_t full[Stages];
   alignas(8) uint64_t empty[Stages];
   alignas(8) uint64_t task_full[2];
@@ -51,8 +54,8 @@ struct Fp8TileStorage {
 //
 // kQuantAct (kSwiGLU only): act is quantised 1 x 128 in the epilogue instead of stored in
 // bf16. A tile's 64 act columns are half a group, so a task is a pair of neighbouring N
-// tiles run back to back by one CTA (kPairs = 2): the first tile's act waits in registers
-// (bf16, 16 words a thread) until the second's completes its row groups.
+// tiles run back to back by one CTA (kPairs = 2): the first tile's act waits in shared
+// memory (bf16, 16 words a thread) until the second's completes its row groups.
 template <Epi kEpi, int kStages = 5, int kCluster_ = 1, bool kOverlap_ = false,
           bool kQuantAct_ = false>
 struct Fp8GemmConfig {
@@ -95,8 +98,9 @@ struct Fp8GemmConfig {
                                            Shape<_64, Int<kChunkCols>>{}));
   static constexpr int kChunkElems = 64 * kChunkCols;
 
+  static constexpr int kKeptWords = kQuantAct ? BN / 8 * 256 : 1;  // 16 words a thread
   using SharedStorage = Fp8TileStorage<cosize_v<SmemLayoutA>, cosize_v<SmemLayoutB>,
-                                       2 * 2 * kChunkElems, Stages>;
+                                       2 * 2 * kChunkElems, Stages, kKeptWords>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
 
@@ -294,17 +298,18 @@ __device__ __forceinline__ Task sub_task(const Task& task, int sub) {
 }
 
 // kQuantAct, after N tile `sub` (0, then 1) of a pair: act = SwiGLU(gate, up) of the
-// accumulators, rounded to bf16 as the bf16 store would. Tile 0's values wait in `kept`;
-// at tile 1 each row's 1 x 128 group (64 columns of each tile, over the 4 threads of a
+// accumulators, rounded to bf16 as the bf16 store would. Tile 0's values wait in shared
+// memory (Fp8TileStorage::act_kept, this thread's column); at tile 1 each row's 1 x 128 group (64 columns of each tile, over the 4 threads of a
 // quad: 16 + 16 values a thread) has its amax (fmaxf: exact, order-free), scale = amax / 448
 // (1 for a zero group), q = rne_e4m3(v / scale) saturated: quantize_fp8_rows's bits over
 // the bf16 act. Values go out as 2-byte pairs from registers, scales by the quad's first
 // thread.
-template <class Cfg, class Acc>
-__device__ __forceinline__ void quantize_act_pair(const GemmParams& p, const EpilogueState& es,
-                                                  const Task& st, int sub, const Acc& accum,
-                                                  uint32_t (&kept)[Cfg::BN / 8]) {
+template <class Cfg, class Storage, class Acc>
+__device__ __forceinline__ void quantize_act_pair(Storage& smem, const GemmParams& p,
+                                                  const EpilogueState& es, const Task& st,
+                                                  int sub, const Acc& accum) {
   constexpr int kAcc = Cfg::BN / 2, kVals = kAcc / 2;  // accumulators, act values a thread
+  uint32_t* kept = smem.act_kept + 128 * es.wg + es.wg_thread;  // word w at kept[256 * w]
   auto act_pair = [&](int i) {  // values i, i + 1 (adjacent columns of one row)
     return __floats2bfloat162_rn(glu_forward<Cfg>(p, accum(i), accum(i + kVals)),
                                  glu_forward<Cfg>(p, accum(i + 1), accum(i + 1 + kVals)));
@@ -313,14 +318,15 @@ __device__ __forceinline__ void quantize_act_pair(const GemmParams& p, const Epi
     CUTE_UNROLL
     for (int i = 0; i < kVals; i += 2) {
       const __nv_bfloat162 v = act_pair(i);
-      kept[i / 2] = *reinterpret_cast<const uint32_t*>(&v);
+      kept[256 * (i / 2)] = *reinterpret_cast<const uint32_t*>(&v);
     }
     return;
   }
   __nv_bfloat162 vals[2][kVals / 2];  // [tile][pair]
   CUTE_UNROLL
   for (int i = 0; i < kVals; i += 2) {
-    vals[0][i / 2] = *reinterpret_cast<const __nv_bfloat162*>(&kept[i / 2]);
+    const uint32_t word = kept[256 * (i / 2)];
+    vals[0][i / 2] = *reinterpret_cast<const __nv_bfloat162*>(&word);
     vals[1][i / 2] = act_pair(i);
   }
   // Pair i / 2 of a thread is row row_t + 8 * ((i / 2) % 2), columns 8 * (i / 4) + col_t + {0, 1}.
@@ -433,7 +439,6 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
     EpilogueState es{wg, ctid % 128, int(get<0>(tCcD(0))) - 64 * wg, int(get<1>(tCcD(0))), 0};
     auto next_task = [&](int t_static) { return counter ? queue.pop() : t_static; };
     RingPos ring;
-    uint32_t act_kept[Cfg::BN / 8];  // kQuantAct: the pair's first tile's act (bf16 pairs)
     for (int t = next_task(cluster); t < p.num_tasks; t = next_task(t + num_clusters)) {
       const Task task = decode_task<Cfg>(p, t, rank);
       if (task.skip) continue;
@@ -447,7 +452,7 @@ grouped_fp8_kernel(const __grid_constant__ GemmParams p, const __grid_constant__
           fp8_mma_task<Cfg>(smem, tiled_mma, tCrA, tCrB, accum, part, part2, s, st, es, ring);
         if (task.store) {
           tile_epilogue<Cfg>(smem, es, p, st, accum, has_k, tma_o, tma_h);
-          if constexpr (Cfg::kQuantAct) quantize_act_pair<Cfg>(p, es, st, sub, accum, act_kept);
+          if constexpr (Cfg::kQuantAct) quantize_act_pair<Cfg>(smem, p, es, st, sub, accum);
         }
       }
     }
