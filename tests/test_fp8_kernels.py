@@ -245,7 +245,8 @@ def test_fp8_dgrad_quantises_d_h_as_the_row_quantiser(routing, inter):
 def test_fc1_quantises_act_as_the_row_quantiser(routing, hidden, inter):
     """fc1's epilogue quantises act (E4M3 rows, transposed scales) with the bits of
     quantize_rows over the bf16 act the plain launch stores, its h is that launch's, and
-    the bits hold for any grid (a CTA running several tile pairs) and cluster size."""
+    the bits hold for any grid (a CTA running several tile pairs) and cluster size. Outputs
+    start poisoned (NaN), so a row or group the kernel skips fails the test."""
     offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
     E = len(offs) - 1
     x = rand_bf16(capacity, hidden, seed=31, real=real)
@@ -255,18 +256,29 @@ def test_fc1_quantises_act_as_the_row_quantiser(routing, hidden, inter):
     n = offs[-1]  # rows in the segments
     want_q, want_s = f8.quantize_rows(act[:n].contiguous())
     assert bool((want_s != 1).any())  # real groups, not only zero-row scales
+
+    def quantised(ctas, save_h=True):
+        act_q = torch.full((capacity, inter), 0x7F, dtype=torch.uint8, device="cuda")
+        act_scale_t = torch.full((inter // 128, capacity), float("nan"), device="cuda")
+        h_q = torch.full_like(h, float("nan")) if save_h else None
+        torch.ops.megatron_mok.grouped_fp8_fc1_swiglu(
+            xq, x_scale_t, w1.data, w1.scale, offsets, num_rows, None, h_q, ctas,
+            act_q.view(torch.float8_e4m3fn), act_scale_t)
+        return act_q, act_scale_t, h_q
+
     try:
         for cluster, ctas in (("1", 0), ("1", 3), ("2", 0), ("2", 4)):
             knobs.set_env("MOK_GEMM_CLUSTER", cluster)
-            (aq, a_scale_t), h_q = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets,
-                                                 num_rows, max_ctas=ctas, quantize_act=True)
+            aq, a_scale_t, h_q = quantised(ctas)
             assert torch.equal(h_q[:n], h[:n]), (cluster, ctas)
-            assert torch.equal(_bits(aq[:n]), _bits(want_q)), (cluster, ctas)
+            assert torch.equal(aq[:n], _bits(want_q)), (cluster, ctas)
             assert torch.equal(a_scale_t[:, :n], want_s), (cluster, ctas)
     finally:
         knobs.set_env("MOK_GEMM_CLUSTER", None)
-    (aq, a_scale_t), none = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows,
-                                          save_h=False, quantize_act=True)
+    aq, a_scale_t, _ = quantised(0, save_h=False)
+    assert torch.equal(aq[:n], _bits(want_q)) and torch.equal(a_scale_t[:, :n], want_s)
+    (aq, _), none = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows,
+                                  save_h=False, quantize_act=True)  # the wrapper's outputs
     assert none is None and torch.equal(_bits(aq[:n]), _bits(want_q))
 
 

@@ -87,6 +87,7 @@ def test_bit_equal_to_the_launch_chain(shape, path, gather, mover_warps, monkeyp
     monkeypatch.setenv("MOK_FORWARD", path)
     monkeypatch.setenv("MOK_MEGAKERNEL_GATHER", gather)
     monkeypatch.setenv("MOK_MOVER_WARPS", str(mover_warps))
+    monkeypatch.setenv("MOK_WGRAD_GATHER", "0")  # 1: no forward keeps x rows at EP = 1
     _poison(ws, hidden, inter)
     y, saved = _forward(inputs, ws, sched)
     monkeypatch.setenv("MOK_FORWARD", "launches")
