@@ -38,6 +38,7 @@ KNOBS = {k.name: k for k in (
     Knob("MOK_GEMM_CORE", "mok", ("mok", "torch")),
     Knob("MOK_FP8_KERNELS", "0", ("0", "1")),
     Knob("MOK_WGRAD_GATHER", "0", ("0", "1")),
+    Knob("MOK_FP8_FUSED_QUANT", "0", ("0", "1")),
     Knob("MOK_AUTOTUNE_CACHE", None, check=lambda v: bool(v), rule="a file path"),
     # Read by the C++ launchers (through set_knobs).
     Knob("MOK_GEMM_SCHEDULER", "counter", ("counter", "static")),

@@ -283,13 +283,17 @@ def test_fc1_quantises_act_as_the_row_quantiser(routing, hidden, inter):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", ["0", "1"])  # MOK_FP8_FUSED_QUANT: per token or one pass
 @pytest.mark.parametrize("num_rows", [640, 384])
 @pytest.mark.parametrize("hidden", [512, 640])  # 640: a warp's 4 groups span two rows
-def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows, hidden):
-    """The one-pass gather (EP = 1): its E4M3 rows and scales are the gathered bf16 rows
-    quantised, bit for bit; its bf16 rows and router weights what pull_rows gives (padding
-    rows zeros with scale 1, weight 0); rows below num_rows are written."""
+def test_gather_quantize_rows_is_the_pull_and_the_quantised_gather(num_rows, hidden, fused,
+                                                                   monkeypatch):
+    """The gather (EP = 1), the one-pass kernel or the tokens quantised then gathered: its
+    E4M3 rows and scales are the gathered bf16 rows quantised, bit for bit; its bf16 rows
+    and router weights what pull_rows gives (padding rows zeros with scale 1, weight 0);
+    rows below num_rows are written."""
     from types import SimpleNamespace
+    monkeypatch.setenv("MOK_FP8_FUSED_QUANT", fused)
     g = torch.Generator().manual_seed(22)
     tokens, capacity, topk = 200, 640, 4
     x = rand_bf16(tokens, hidden, seed=23)

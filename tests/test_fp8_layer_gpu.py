@@ -77,6 +77,26 @@ def test_fp8_kernel_pass_is_bitwise_deterministic():
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
+def test_fused_quantisers_give_the_bits_of_separate_ones(shape, monkeypatch):
+    """MOK_FP8_FUSED_QUANT=1 (x and dy gathered and quantised in one pass, act and d_h
+    quantised in the GEMM epilogues) against the separate quantisers: every output and
+    gradient bit for bit, and the fused kernels ran."""
+    from megatron_mok.kernels import fp8_gemm
+    inputs = _inputs(shape, seed=8)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    y0, g0 = _run(inputs, FP8_KERNEL, dy)
+    fused, dgrad = [], fp8_gemm.dgrad_swiglu_routed
+    monkeypatch.setattr(fp8_gemm, "dgrad_swiglu_routed",
+                        lambda *a, **k: fused.append(k.get("quantize_dh")) or dgrad(*a, **k))
+    monkeypatch.setenv("MOK_FP8_FUSED_QUANT", "1")
+    y1, g1 = _run(inputs, FP8_KERNEL, dy)
+    assert fused == [True]
+    assert torch.equal(y0, y1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_fp8_kernel_pass_with_gathering_weight_gradients_gives_the_same_bits(shape,
                                                                               monkeypatch):
     """MOK_WGRAD_GATHER=1: dW1 gathers x's rows and dW2 dy's rows in their producers (no

@@ -19,8 +19,11 @@ row table of the BF16 core (megatron_mok.kernels.grouped_gemm): expert segments 
 
 The GEMMs promote their fp32 partial every 128 of K (docs/fp8.md), so the sums follow a
 fixed order: bitwise deterministic and independent of the grid size, as the BF16 core.
-The weight gradients run on the BF16 core (MoKConfig.fp8_wgrad = "bf16"); x and dy are
-quantised where they are gathered (EP = 1), act in fc1's epilogue, d_h in the fc2 dgrad's.
+The weight gradients run on the BF16 core (MoKConfig.fp8_wgrad = "bf16"). x, dy, act and
+d_h are quantised by separate passes (x and dy per token, then their E4M3 rows gathered);
+MOK_FP8_FUSED_QUANT=1 fuses each into work that already passes over the data (x and dy
+gathered and quantised in one pass, act in fc1's epilogue, d_h in the fc2 dgrad's): the
+same bits, measured slower on an H100 (docs/perf-notes.md).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_mok import knobs
 from megatron_mok.fp8_formats import GROUP_SIZE, BlockwiseFP8Tensor, quantize_blockwise
 from megatron_mok.kernels import ops
 
@@ -222,6 +226,10 @@ def gather_quantize_rows(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor] 
     _check(x, "x", torch.bfloat16, 2)
     _check_multiple("H", x.shape[1])
     _check_cuda(x, "x")
+    if topk_w is not None:
+        _check(topk_w, "topk_w", torch.float32, 2)
+    if not fused_quantisers():
+        return _quantize_then_gather(x, sched, topk_w, keep_rows)
     capacity, hidden = sched.peer_rank.numel(), x.shape[1]
     q = torch.empty(capacity, hidden, dtype=FP8, device=x.device)
     scale_t = torch.empty(hidden // GROUP_SIZE, -(-capacity // 4) * 4, dtype=torch.float32,
@@ -229,7 +237,6 @@ def gather_quantize_rows(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor] 
     rows = torch.empty(capacity, hidden, dtype=x.dtype, device=x.device) if keep_rows else None
     row_w = None
     if topk_w is not None:
-        _check(topk_w, "topk_w", torch.float32, 2)
         row_w = torch.empty(capacity, dtype=torch.float32, device=x.device)
     torch.ops.megatron_mok.gather_quantize_fp8_rows(
         x, sched.peer_rank, sched.peer_token, sched.peer_k, sched.num_rows, topk_w, q, scale_t,
@@ -237,17 +244,52 @@ def gather_quantize_rows(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor] 
     return (q, scale_t), rows, row_w
 
 
+def fused_quantisers() -> bool:
+    """MOK_FP8_FUSED_QUANT=1: the quantisers fused into the gathers and epilogues."""
+    return knobs.get("MOK_FP8_FUSED_QUANT") == "1"
+
+
+def _quantize_then_gather(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor],
+                          keep_rows: bool):
+    """gather_quantize_rows in separate passes: the tokens quantised once (plus a zero row
+    with scale 1 for the padding rows), then their E4M3 rows, scales, bf16 rows and router
+    weights gathered by index. A row's groups depend on its values alone: the same bits."""
+    tokens, hidden = x.shape
+    xq = torch.empty(tokens + 1, hidden, dtype=FP8, device=x.device)
+    xs = torch.empty(hidden // GROUP_SIZE, -(-(tokens + 1) // 4) * 4, dtype=torch.float32,
+                     device=x.device)[:, :tokens + 1]
+    quantize_rows(x, xq[:tokens], xs[:, :tokens])
+    xq[tokens].view(torch.uint8).zero_()
+    xs[:, tokens].fill_(1.0)
+    routed = sched.peer_rank >= 0
+    token = torch.where(routed, sched.peer_token, tokens).long()
+    q = xq.view(torch.uint8).index_select(0, token).view(FP8)
+    scale_t = xs.index_select(1, token)  # [H / 128, capacity]: capacity is a multiple of 128
+    rows = row_w = None
+    if keep_rows:
+        rows = torch.cat([x, x.new_zeros(1, hidden)]).index_select(0, token)
+    if topk_w is not None:
+        k = torch.where(routed, sched.peer_k, 0).long()
+        row_w = torch.where(routed, topk_w[token.clamp(max=tokens - 1), k], 0.0)
+    return (q, scale_t), rows, row_w
+
+
 def expert_forward(x_rows, w1, w2,
                    expert_offsets: torch.Tensor, num_rows: torch.Tensor, save_h: bool = False,
                    max_ctas: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The routed experts' forward in FP8 over the row table: x rows quantised 1 x 128, fc1 +
-    SwiGLU with act quantised 1 x 128 (from its bf16 rounding) in the same epilogue, fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor; x_rows: bf16 rows,
+    SwiGLU, act quantised 1 x 128 from its bf16 rounding (MOK_FP8_FUSED_QUANT=1: in fc1's
+    epilogue), fc2. w1, w2: Fp8Weight or BlockwiseFP8Tensor; x_rows: bf16 rows,
     or (E4M3 rows, scale_t) already quantised (gather_quantize_rows). Returns (out rows
     [R, H] bf16, h or None)."""
     (w1q, w1s), (w2q, w2s) = (_values_and_scales(w) for w in (w1, w2))
     xq, xs = x_rows if isinstance(x_rows, tuple) else quantize_rows(x_rows)
-    (aq, as_), h = fc1_swiglu(xq, xs, w1q, w1s, expert_offsets, num_rows, save_h, max_ctas,
-                              quantize_act=True)
+    if fused_quantisers():
+        (aq, as_), h = fc1_swiglu(xq, xs, w1q, w1s, expert_offsets, num_rows, save_h,
+                                  max_ctas, quantize_act=True)
+    else:
+        act, h = fc1_swiglu(xq, xs, w1q, w1s, expert_offsets, num_rows, save_h, max_ctas)
+        aq, as_ = quantize_rows(act)
     return rows_matmul(aq, as_, w2q, w2s, expert_offsets, num_rows, max_ctas=max_ctas), h
 
 
@@ -255,13 +297,18 @@ def expert_dgrad(dy_rows, row_w: torch.Tensor, w1: Fp8Weight, w2: Fp8Weight,
                  h: torch.Tensor, expert_offsets: torch.Tensor, num_rows: torch.Tensor,
                  max_ctas: int = 0):
     """The FP8 experts' data gradients over the row table: dy rows quantised 1 x 128, fc2
-    dgrad + router weight + SwiGLU backward with d_h quantised 1 x 128 (from its bf16
-    rounding) in the same epilogue, fc1 dgrad against w1's transposed blocks. dy_rows: bf16 rows, or (E4M3 rows, scale_t)
+    dgrad + router weight + SwiGLU backward, d_h quantised 1 x 128 from its bf16 rounding
+    (MOK_FP8_FUSED_QUANT=1: in the same epilogue), fc1 dgrad against w1's transposed blocks. dy_rows: bf16 rows, or (E4M3 rows, scale_t)
     already quantised (gather_quantize_rows of dy). Returns (d_h, dots_part, act_scaled,
     dx_rows)."""
     dyq, dys = dy_rows if isinstance(dy_rows, tuple) else quantize_rows(dy_rows)
-    d_h, dots_part, act_scaled, (dhq, dhs) = dgrad_swiglu_routed(
-        dyq, dys, row_w, w2, h, expert_offsets, num_rows, max_ctas, quantize_dh=True)
+    if fused_quantisers():
+        d_h, dots_part, act_scaled, (dhq, dhs) = dgrad_swiglu_routed(
+            dyq, dys, row_w, w2, h, expert_offsets, num_rows, max_ctas, quantize_dh=True)
+    else:
+        d_h, dots_part, act_scaled = dgrad_swiglu_routed(dyq, dys, row_w, w2, h, expert_offsets,
+                                                         num_rows, max_ctas)
+        dhq, dhs = quantize_rows(d_h)
     dx_rows = rows_matmul(dhq, dhs, w1.qt, w1.scale_t, expert_offsets, num_rows,
                           max_ctas=max_ctas)
     return d_h, dots_part, act_scaled, dx_rows
