@@ -105,8 +105,18 @@ def summarise(runs: dict, peak_tflops: float | None = None) -> dict:
                 "final_loss_rel_diff": fp8["loss"][n - 1] / mok["loss"][n - 1] - 1.0,
                 "last10_mean_rel_diff": fp8_tail / bf16_tail - 1.0,
                 "tokens_per_s": {"bf16": tput(mok), "fp8": tput(fp8)},
-                "runs_identical": bool(fp82 and fp82["loss"] == fp8["loss"]) if fp82 else None,
             }
+            if fp82 and fp82["loss"]:
+                # over the steps both runs logged (a run cut by its time limit logs fewer)
+                same = min(len(fp8["loss"]), len(fp82["loss"]))
+                entry["fp8"]["runs_identical"] = fp8["loss"][:same] == fp82["loss"][:same]
+                entry["fp8"]["runs_identical_steps"] = same
+            else:
+                entry["fp8"]["runs_identical"] = None
+            if n >= 50:  # a longer window: per-step losses on mock data are noisy
+                entry["fp8"]["last50_mean_rel_diff"] = (
+                    statistics.mean(fp8["loss"][n - 50:n]) / statistics.mean(mok["loss"][n - 50:n])
+                    - 1.0)
         # Megatron's FP8 for the whole model (TE): mok's FP8 layer vs alltoall + TEGroupedMLP
         # in FP8, as the BF16 pair above.
         mfp8, afp8 = by_run.get("mokmfp8"), by_run.get("alltoallfp8")
