@@ -138,12 +138,16 @@ def _ep_size_rank(group) -> tuple[int, int]:
 def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  group=None, topk_idx_all: Optional[torch.Tensor] = None,
                  activation: ExpertActivation = SWIGLU, b1: Optional[torch.Tensor] = None,
-                 b2: Optional[torch.Tensor] = None, expert_fn=None) -> torch.Tensor:
+                 b2: Optional[torch.Tensor] = None, expert_fn=None,
+                 route_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Expert output of every (t, k) route of this rank's tokens: [T, K, H] in fp32
     (values already rounded to x.dtype; -1 routes are zero rows). `topk_idx_all`
     [P, T, K], when the caller already gathered it, saves the routing all-gather.
     expert_fn(rows, e) -> out rows: local expert e's MLP on its rows (fp32, in (rank,
-    token, k) order), instead of expert_mlp (the FP8 spec's experts)."""
+    token, k) order), instead of expert_mlp (the FP8 spec's experts). route_weights [T, K]
+    (with expert_fn): every route's router weight reaches the expert's rank and
+    expert_fn(rows, e, w_rows) applies it; the slots then come back weighted (combine them
+    with unit weights)."""
     ep_size, ep_rank = _ep_size_rank(group)
     num_tokens, topk = topk_idx.shape
     num_local_experts = w1.shape[0]
@@ -162,6 +166,13 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: 
     for bias in (b1, b2):
         if bias is not None:
             anchor = anchor + bias.float().sum() * 0
+    w_flat = None
+    if route_weights is not None:
+        w_all = route_weights.float()
+        if ep_size > 1:
+            w_all = _AllGatherRows.apply(w_all, group)
+        anchor = anchor + w_all[:0].sum()  # its backward's collective runs on every rank
+        w_flat = w_all.reshape(-1)
     slots = xf.new_zeros(flat_idx.numel(), x.shape[1]) + anchor
     first_expert = ep_rank * num_local_experts
     for e in range(num_local_experts):
@@ -171,7 +182,7 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, w1: torch.Tensor, w2: 
             continue
         rows = x_all[route_ids // topk]
         if expert_fn is not None:
-            out = expert_fn(rows, e)
+            out = expert_fn(rows, e) if w_flat is None else expert_fn(rows, e, w_flat[route_ids])
         else:
             out = expert_mlp(rows, w1[e], w2[e], x.dtype, activation,
                              None if b1 is None else b1[e], None if b2 is None else b2[e])

@@ -13,7 +13,9 @@ Forward, per expert e (rows of the tokens routed to it):
 Backward (each GEMM's own quantisation of its operands):
     dgrad    dY quantised 1 x 128 along the output features; the weight's transpose
              quantised in 128 x 128 blocks along those features (the weights' second
-             layout): d_in = dq(dY) @ dq(W^T)^T
+             layout): d_in = dq(dY) @ dq(W^T)^T. For fc2, dY is the route's unweighted dy
+             and w[t,k] multiplies the fp32 result (as the kernels and the BF16 pass);
+             d_topk_w[t,k] = <dy_t, out_tk>
     wgrad    "fp8": both operands quantised 1 x 128 along the tokens (each expert's rows
              padded with zeros to a multiple of 128, which adds nothing); "bf16": the
              operands as bf16, fp32 accumulation
@@ -110,6 +112,47 @@ class _FP8Linear(torch.autograd.Function):
         return d_a.to(a.dtype), d_w.to(w.dtype), None, None
 
 
+class _RoutedFP8Linear(torch.autograd.Function):
+    """fc2 of a routed expert with its rows' router weights: forward w_rows * round(dq(q(a))
+    @ dq(q(w))^T) in fp32 (the combine's products). Backward from the unweighted dy rows g,
+    as the kernels compute it: acc = dq(q(g)) @ dq(q(w^T))^T, d_a = w_rows * acc in fp32,
+    d_w_rows = <g, out>; the weight gradient "bf16": g^T (w_rows * a) from bf16 operands,
+    "fp8": as _FP8Linear's with d_out = w_rows * g."""
+
+    @staticmethod
+    def forward(ctx, a, w, w_rows, pow2: bool, wgrad: str, dtype: torch.dtype):
+        out = (_dq_act(a.float(), pow2) @ _dq_weight(w.float(), pow2).t()).to(dtype).float()
+        ctx.save_for_backward(a, w, w_rows, out)
+        ctx.pow2, ctx.wgrad = pow2, wgrad
+        return w_rows.unsqueeze(1) * out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w, w_rows, out = ctx.saved_tensors
+        pow2, wr = ctx.pow2, w_rows.unsqueeze(1)
+        g = g.float()
+        acc = _dq_act(g, pow2) @ _dq_weight(w.float().t().contiguous(), pow2).t()
+        d_w_rows = (g * out).sum(1)
+        if ctx.wgrad == "fp8":
+            d_out = wr * g
+            d_w = (_dq_act(_pad_rows(d_out).t().contiguous(), pow2)
+                   @ _dq_act(_pad_rows(a.float()).t().contiguous(), pow2).t())
+        else:
+            d_w = (g.to(torch.bfloat16).float().t()
+                   @ (wr * a.float()).to(torch.bfloat16).float())
+        return (wr * acc).to(a.dtype), d_w.to(w.dtype), d_w_rows.to(w_rows.dtype), None, None, None
+
+
+def fp8_routed_expert(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      w_rows: torch.Tensor, dtype: torch.dtype, *, pow2_scales: bool = False,
+                      wgrad: str = "fp8") -> torch.Tensor:
+    """fp8_expert with its rows' router weights applied after fc2: out [M, H] fp32 = w_rows *
+    round(out), so that the backward quantises the unweighted dy (as the kernels do)."""
+    h = _RoundGrad.apply(_FP8Linear.apply(rows, w1, pow2_scales, wgrad), dtype)
+    act = round_to(_SwiGLUOfStoredH.apply(h, dtype), dtype)
+    return _RoutedFP8Linear.apply(act, w2, w_rows, pow2_scales, wgrad, dtype)
+
+
 def fp8_expert(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype, *,
                pow2_scales: bool = False, wgrad: str = "fp8") -> torch.Tensor:
     """One SwiGLU expert in blockwise FP8: rows [M, H] -> out [M, H] (rounded to dtype,
@@ -142,15 +185,21 @@ def moe_reference_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Ten
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
 
-    def expert(rows, e):
-        return fp8_expert(rows, w1[e], w2[e], x.dtype, pow2_scales=pow2_scales, wgrad=wgrad)
+    def expert(rows, e, w_rows):
+        return fp8_routed_expert(rows, w1[e], w2[e], w_rows, x.dtype,
+                                 pow2_scales=pow2_scales, wgrad=wgrad)
 
-    # dx sums over the routes in fp32, rounded once (as the BF16 spec).
-    slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all, expert_fn=expert)
+    # The router weights are applied in the experts (after fc2, in fp32: the combine's
+    # products), so that dy is quantised unweighted, as the kernels do; the slots come back
+    # weighted and are summed with unit weights. dx sums over the routes in fp32, rounded
+    # once (as the BF16 spec).
+    slots = routed_slots(x, topk_idx, w1, w2, group, topk_idx_all, expert_fn=expert,
+                         route_weights=topk_w)
     shared_out = None
     if shared_w1 is not None:
         shared_out = expert_mlp(x.float(), shared_w1, shared_w2, x.dtype)
-    return combine(slots, topk_idx, topk_w, shared_out, x.dtype)
+    return combine(slots, topk_idx, torch.ones_like(topk_w, dtype=torch.float32), shared_out,
+                   x.dtype)
 
 
 def _ep_size(group) -> int:

@@ -89,3 +89,25 @@ def test_deterministic_and_bad_input():
         R8.moe_reference_fp8(**small)
     with pytest.raises(ValueError, match="wgrad"):
         R8.moe_reference_fp8(**inp, wgrad="fp4")
+
+
+def test_fc2_dgrad_quantises_the_unweighted_dy(monkeypatch):
+    """The kernels quantise each route's dy as it is and apply the router weight to the fp32
+    dgrad; so does the spec: the rows fc2's dgrad quantises are dy's rows, not w * dy's, and
+    d_topk_w is <dy, out> per route."""
+    inp = _inputs(5)
+    leaves = _leaves(inp)
+    y = R8.moe_reference_fp8(**leaves, wgrad="bf16")
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(y.dtype)
+    quantised, dq_act = [], R8._dq_act
+    monkeypatch.setattr(R8, "_dq_act", lambda t, pow2: quantised.append(t) or dq_act(t, pow2))
+    y.backward(dy)
+    hidden = inp["x"].shape[1]
+    dy_rows = [t for t in quantised if t.shape[1] == hidden]  # fc2 dgrads' A: [rows, H]
+    idx = inp["topk_idx"]
+    for e in range(inp["w1"].shape[0]):  # expert e's rows: its routes in (token, k) order
+        tokens = (idx == e).nonzero()[:, 0]
+        if tokens.numel():
+            want = dy.float()[tokens]
+            assert any(t.shape == want.shape and torch.equal(t, want) for t in dy_rows), e
+    assert bool((leaves["topk_w"].grad != 0).any())
