@@ -268,7 +268,9 @@ def _quantize_then_gather(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor]
     rows = row_w = None
     if keep_rows:
         rows = torch.cat([x, x.new_zeros(1, hidden)]).index_select(0, token)
-    if topk_w is not None:
+    if topk_w is not None and tokens == 0:
+        row_w = torch.zeros(token.numel(), dtype=torch.float32, device=x.device)
+    elif topk_w is not None:
         k = torch.where(routed, sched.peer_k, 0).long()
         row_w = torch.where(routed, topk_w[token.clamp(max=tokens - 1), k], 0.0)
     return (q, scale_t), rows, row_w
