@@ -179,12 +179,14 @@ def test_impl_te_swaps_the_local_spec_flags_for_transformer_engine(config):
     assert local[local.index("--transformer-impl") + 1] == "local"
     assert te[te.index("--transformer-impl") + 1] == "transformer_engine"
     assert te.count("--transformer-impl") == 1 and "--moe-permute-fusion" in te
-    dropped = {"--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
-               "--no-rope-fusion", "--no-persist-layer-norm", "--recompute-granularity",
-               "--recompute-modules"}
+    dropped = {"--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+               "--recompute-granularity", "--recompute-modules"}
     assert dropped <= set(local) and not dropped & set(te)
-    local_only = dropped | {"--transformer-impl", "local", "selective", "core_attn"}
+    # Kept under TE as well (te.args): the output layer's fusion would need Apex.
+    no_fusion = "--no-gradient-accumulation-fusion"
+    assert local.count(no_fusion) == 1 and te.count(no_fusion) == 1
+    local_only = dropped | {no_fusion, "--transformer-impl", "local", "selective", "core_attn"}
     assert [w for w in local if w not in local_only] == \
         [w for w in te if w not in {"--transformer-impl", "transformer_engine",
-                                    "--moe-permute-fusion"}]
+                                    "--moe-permute-fusion", no_fusion}]
     assert te[-4:] == ["--moe-token-dispatcher-type", "mok", "--train-iters", "3"]
