@@ -55,20 +55,6 @@ def measure_fp8_peak(device: torch.device, n: int = PEAK_N, warmup: int = 5,
     return 2.0 * n ** 3 / (statistics.median(times) * 1e-3) / 1e12
 
 
-def unfused_gather_quantize(x_tok: torch.Tensor, sched):
-    """The f1b7a9e path that gather_quantize_rows replaced: x quantised per token (plus a
-    zero row for the padding rows), then its E4M3 rows and scales gathered by index_select."""
-    tokens, hidden = x_tok.shape
-    xq = torch.empty(tokens + 1, hidden, dtype=f8.FP8, device=x_tok.device)
-    xs = torch.empty(hidden // 128, -(-(tokens + 1) // 4) * 4, dtype=torch.float32,
-                     device=x_tok.device)[:, :tokens + 1]
-    f8.quantize_rows(x_tok, xq[:tokens], xs[:, :tokens])
-    xq[tokens].view(torch.uint8).zero_()
-    xs[:, tokens].fill_(1.0)
-    token = torch.where(sched.peer_rank >= 0, sched.peer_token, tokens).long()
-    return xq.view(torch.uint8).index_select(0, token).view(f8.FP8), xs.index_select(1, token)
-
-
 def fns_of(case, num_tokens: int):
     s = case["sched"]
     offsets, num_rows = s.expert_offsets, s.num_rows
@@ -106,12 +92,13 @@ def fns_of(case, num_tokens: int):
         "fp8_dgrad_qdh": lambda: f8.dgrad_swiglu_routed(dq, ds, row_w, w2f, h, offsets,
                                                         num_rows, quantize_dh=True),
         "quant_dh": lambda: f8.quantize_rows(d_h),
-        # x rows from the tokens at EP = 1: one pass (forward), one pass with the bf16 rows
-        # and router weights (backward's dy), and the unfused f1b7a9e path
-        "gather_quant": lambda: f8.gather_quantize_rows(x_tok, s),
-        "gather_quant_rows_w": lambda: f8.gather_quantize_rows(x_tok, s, topk_w=topk_w,
-                                                               keep_rows=True),
-        "gather_quant_unfused": lambda: unfused_gather_quantize(x_tok, s),
+        # x rows from the tokens at EP = 1, alone (forward) and with the bf16 rows and router
+        # weights (backward's dy): in one pass, and in separate passes (the default)
+        "gather_quant": lambda: f8.gather_quantize_rows_fused(x_tok, s, None, False),
+        "gather_quant_rows_w": lambda: f8.gather_quantize_rows_fused(x_tok, s, topk_w, True),
+        "gather_quant_unfused": lambda: f8.quantize_then_gather_rows(x_tok, s, None, False),
+        "gather_quant_rows_w_unfused": lambda: f8.quantize_then_gather_rows(x_tok, s, topk_w,
+                                                                            True),
     }
 
 

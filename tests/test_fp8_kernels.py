@@ -66,16 +66,22 @@ def test_fc2_rows_matmul_matches_the_dequantised_product(routing, hidden, inter)
         assert rel_l2(out[lo:hi].float(), ref) < GEMM_TOL, (e, lo, hi)
 
 
+def _fc1_case(routing, hidden, inter, seed):
+    """A row table, quantised x rows and w1, and the plain fc1 launch's act and h."""
+    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
+    x = rand_bf16(capacity, hidden, seed=seed, real=real)
+    w1 = f8.quantize_weight(rand_bf16(len(offs) - 1, 2 * inter, hidden, seed=seed + 1,
+                                      scale=hidden ** -0.5))
+    xq, x_scale_t = f8.quantize_rows(x)
+    act, h = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows)
+    return offsets, num_rows, capacity, offs, xq, x_scale_t, w1, act, h
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", list(COUNTS))
 @pytest.mark.parametrize("hidden, inter", DIMS)
 def test_fc1_swiglu_matches_the_dequantised_product(routing, hidden, inter):
-    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
-    E = len(offs) - 1
-    x = rand_bf16(capacity, hidden, seed=3, real=real)
-    w1 = f8.quantize_weight(rand_bf16(E, 2 * inter, hidden, seed=4, scale=hidden ** -0.5))
-    xq, x_scale_t = f8.quantize_rows(x)
-    act, h = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows)
+    offsets, num_rows, _, offs, xq, x_scale_t, w1, act, h = _fc1_case(routing, hidden, inter, 3)
     for e, lo, hi in segments(offs):
         h_ref = blockwise_matmul_reference(_rows_as_blockwise(xq, x_scale_t, lo, hi),
                                            _weight_slice(w1, e))
@@ -247,12 +253,8 @@ def test_fc1_quantises_act_as_the_row_quantiser(routing, hidden, inter):
     quantize_rows over the bf16 act the plain launch stores, its h is that launch's, and
     the bits hold for any grid (a CTA running several tile pairs) and cluster size. Outputs
     start poisoned (NaN), so a row or group the kernel skips fails the test."""
-    offsets, num_rows, capacity, real, offs = row_table(COUNTS[routing])
-    E = len(offs) - 1
-    x = rand_bf16(capacity, hidden, seed=31, real=real)
-    w1 = f8.quantize_weight(rand_bf16(E, 2 * inter, hidden, seed=32, scale=hidden ** -0.5))
-    xq, x_scale_t = f8.quantize_rows(x)
-    act, h = f8.fc1_swiglu(xq, x_scale_t, w1.data, w1.scale, offsets, num_rows)
+    offsets, num_rows, capacity, offs, xq, x_scale_t, w1, act, h = _fc1_case(
+        routing, hidden, inter, 31)
     n = offs[-1]  # rows in the segments
     want_q, want_s = f8.quantize_rows(act[:n].contiguous())
     assert bool((want_s != 1).any())  # real groups, not only zero-row scales

@@ -76,24 +76,30 @@ def test_fp8_kernel_pass_is_bitwise_deterministic():
         assert torch.equal(g0[name], g1[name]), name
 
 
+def _knob_keeps_the_bits(shape, seed, monkeypatch, knob, module, fn_name, kwarg):
+    """The FP8 kernel pass with knob=1 against the default: every output and gradient bit
+    for bit. Returns what module.fn_name received as kwarg on each call with the knob."""
+    inputs = _inputs(shape, seed=seed)
+    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
+    y0, g0 = _run(inputs, FP8_KERNEL, dy)
+    seen, fn = [], getattr(module, fn_name)
+    monkeypatch.setattr(module, fn_name, lambda *a, **k: seen.append(k.get(kwarg)) or fn(*a, **k))
+    monkeypatch.setenv(knob, "1")
+    y1, g1 = _run(inputs, FP8_KERNEL, dy)
+    assert torch.equal(y0, y1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+    return seen
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_fused_quantisers_give_the_bits_of_separate_ones(shape, monkeypatch):
     """MOK_FP8_FUSED_QUANT=1 (x and dy gathered and quantised in one pass, act and d_h
     quantised in the GEMM epilogues) against the separate quantisers: every output and
     gradient bit for bit, and the fused kernels ran."""
     from megatron_mok.kernels import fp8_gemm
-    inputs = _inputs(shape, seed=8)
-    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
-    y0, g0 = _run(inputs, FP8_KERNEL, dy)
-    fused, dgrad = [], fp8_gemm.dgrad_swiglu_routed
-    monkeypatch.setattr(fp8_gemm, "dgrad_swiglu_routed",
-                        lambda *a, **k: fused.append(k.get("quantize_dh")) or dgrad(*a, **k))
-    monkeypatch.setenv("MOK_FP8_FUSED_QUANT", "1")
-    y1, g1 = _run(inputs, FP8_KERNEL, dy)
-    assert fused == [True]
-    assert torch.equal(y0, y1)
-    for name in g0:
-        assert torch.equal(g0[name], g1[name]), name
+    assert _knob_keeps_the_bits(shape, 8, monkeypatch, "MOK_FP8_FUSED_QUANT", fp8_gemm,
+                                "dgrad_swiglu_routed", "quantize_dh") == [True]
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -102,21 +108,9 @@ def test_fp8_kernel_pass_with_gathering_weight_gradients_gives_the_same_bits(sha
     """MOK_WGRAD_GATHER=1: dW1 gathers x's rows and dW2 dy's rows in their producers (no
     bf16 x or dy rows made); every output is the default path's bits."""
     from megatron_mok.kernels import grouped_gemm
-    inputs = _inputs(shape, seed=6)
-    dy = torch.randn(inputs["x"].shape, device="cuda").bfloat16()
-    y0, g0 = _run(inputs, FP8_KERNEL, dy)
-    gathered, wgrad = [], grouped_gemm.wgrad
-    monkeypatch.setattr(grouped_gemm, "wgrad",
-                        lambda *a, **k: gathered.append(k.get("gathered")) or wgrad(*a, **k))
-    knobs.set_env("MOK_WGRAD_GATHER", "1")
-    try:
-        y1, g1 = _run(inputs, FP8_KERNEL, dy)
-    finally:
-        knobs.set_env("MOK_WGRAD_GATHER", None)
+    gathered = _knob_keeps_the_bits(shape, 6, monkeypatch, "MOK_WGRAD_GATHER", grouped_gemm,
+                                    "wgrad", "gathered")
     assert gathered == ["a", "b"]  # dW2 read dy, dW1 read x
-    assert torch.equal(y0, y1)
-    for name in g0:
-        assert torch.equal(g0[name], g1[name]), name
 
 
 def test_fp8_kernel_pass_has_no_host_sync():

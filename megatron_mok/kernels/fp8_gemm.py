@@ -215,21 +215,26 @@ def dgrad_swiglu_routed(dyq: torch.Tensor, dy_scale_t: torch.Tensor, row_w: torc
 
 def gather_quantize_rows(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor] = None,
                          keep_rows: bool = False):
-    """EP = 1, one pass: the row table's rows of x [T, H] bf16 (row j = token
-    sched.peer_token[j]; padding rows zeros with scale 1) quantised 1 x 128. keep_rows:
-    also their bf16 copy (pull_rows's rows); topk_w [T, K] fp32: also each row's router
-    weight (pull_rows's row_w, 0 for padding). Rows at and past sched.num_rows are left
-    unwritten (the GEMMs never read them). A row's groups depend on its values alone, so
-    these are the bits of quantize_rows(x_rows), with x read once per route (mostly from
-    L2) and no bf16 rows in HBM unless asked. Returns ((q, scale_t), rows or None, row_w
-    or None)."""
+    """EP = 1: the row table's rows of x [T, H] bf16 (row j = token sched.peer_token[j];
+    padding rows zeros with scale 1) quantised 1 x 128. keep_rows: also their bf16 copy
+    (pull_rows's rows); topk_w [T, K] fp32: also each row's router weight (pull_rows's
+    row_w, 0 for padding). A row's groups depend on its values alone, so these are the bits
+    of quantize_rows(x_rows). Separate passes (quantize_then_gather_rows), or with
+    MOK_FP8_FUSED_QUANT=1 one (gather_quantize_rows_fused). Returns ((q, scale_t), rows or
+    None, row_w or None)."""
     _check(x, "x", torch.bfloat16, 2)
     _check_multiple("H", x.shape[1])
     _check_cuda(x, "x")
     if topk_w is not None:
         _check(topk_w, "topk_w", torch.float32, 2)
-    if not fused_quantisers():
-        return _quantize_then_gather(x, sched, topk_w, keep_rows)
+    gather = gather_quantize_rows_fused if fused_quantisers() else quantize_then_gather_rows
+    return gather(x, sched, topk_w, keep_rows)
+
+
+def gather_quantize_rows_fused(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor],
+                               keep_rows: bool):
+    """gather_quantize_rows in one pass (checked inputs): x read once per route (mostly from
+    L2), no bf16 rows in HBM unless asked; rows at and past sched.num_rows unwritten."""
     capacity, hidden = sched.peer_rank.numel(), x.shape[1]
     q = torch.empty(capacity, hidden, dtype=FP8, device=x.device)
     scale_t = torch.empty(hidden // GROUP_SIZE, -(-capacity // 4) * 4, dtype=torch.float32,
@@ -249,9 +254,9 @@ def fused_quantisers() -> bool:
     return knobs.get("MOK_FP8_FUSED_QUANT") == "1"
 
 
-def _quantize_then_gather(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor],
-                          keep_rows: bool):
-    """gather_quantize_rows in separate passes: the tokens quantised once (plus a zero row
+def quantize_then_gather_rows(x: torch.Tensor, sched, topk_w: Optional[torch.Tensor],
+                              keep_rows: bool):
+    """gather_quantize_rows in separate passes (checked inputs): the tokens quantised once (plus a zero row
     with scale 1 for the padding rows), then their E4M3 rows, scales, bf16 rows and router
     weights gathered by index. A row's groups depend on its values alone: the same bits."""
     tokens, hidden = x.shape
